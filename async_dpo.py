@@ -639,8 +639,8 @@ if __name__ == "__main__":
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             if args.track:
-                wandb.log({k: (wandb.Table(dataframe=__import__("pandas").DataFrame(v)) if k == "eval/samples" else v)
-                           for k, v in record.items()})
+                wandb.log({k: wandb.Table(columns=["prompt", "response"], data=[list(s.values()) for s in v])
+                           if k == "eval/samples" else v for k, v in record.items()})
 
     def train_request(round_index: int, version: int) -> dict:
         indices = prompt_order[round_index * prompts_per_round: (round_index + 1) * prompts_per_round]
@@ -856,13 +856,20 @@ if __name__ == "__main__":
         progress.close()
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1)
+    except KeyboardInterrupt:
+        progress.close()
+        print("interrupted: shutting down the generator", file=sys.stderr, flush=True)
+        raise SystemExit(130)
     finally:
         if generator is not None:
             try:
-                requests.put(None, timeout=1.0)  # polite stop
+                requests.put_nowait(None)  # a polite stop, seen if the generator is idle
             except (queue.Full, ValueError, OSError):
                 pass
-            generator.join(timeout=10)
+            generator.join(timeout=2)
+            if generator.is_alive():
+                generator.terminate()
+                generator.join(timeout=3)
             if generator.is_alive():
                 generator.kill()
                 generator.join()

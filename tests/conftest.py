@@ -1,0 +1,23 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """The tiny CPU configuration's models, tokenizer and dataset, built once per test session."""
+    import async_dpo
+
+    return async_dpo.build_tiny_assets(str(tmp_path_factory.mktemp("tiny") / "assets"))
+
+
+def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 600, env: dict | None = None,
+               launcher: tuple = ()) -> subprocess.CompletedProcess:
+    """Run one of the repository's scripts as a user would, returning its exit code and output."""
+    return subprocess.run([*launcher, *([] if launcher else [sys.executable]), os.path.join(REPO, script), *flags],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
