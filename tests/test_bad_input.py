@@ -1,0 +1,38 @@
+"""Bad input gets an early, clear error naming the flag or file, and a non-zero exit: never a hang."""
+import json
+
+import pytest
+from conftest import run_script
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num_samples", "1"], "--num_samples"),
+    (["--response_length", "0"], "--response_length"),
+    (["--total_episodes", "-5"], "--total_episodes"),
+    (["--batch_size", "30"], "--per_device_train_batch_size"),
+    (["--vllm_gpu_memory_utilization", "0"], "--vllm_gpu_memory_utilization"),
+    (["--sft_model_path", "/no/such/model"], "--sft_model_path /no/such/model"),
+    (["--reward_model_path", "nobody/no-such-reward-model"], "--reward_model_path nobody/no-such-reward-model"),
+    (["--dataset", "/no/such/data.jsonl"], "--dataset /no/such/data.jsonl"),
+])
+def test_bad_flags_are_rejected_early(tiny_dir, tmp_path, flags, message):
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), *flags, timeout=120,
+                        env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_dataset_without_expected_columns_names_what_it_found(tiny_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": "c"}) + "\n" for i in range(50)))
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), "--dataset",
+                        str(data), timeout=120)
+    assert result.returncode != 0
+    assert "lacks column(s) ['query', 'reference_response']" in result.stderr
+    assert "'prompt', 'completion'" in result.stderr
+
+
+def test_unknown_preset_is_rejected_by_the_parser(tmp_path):
+    result = run_script("--model", "pythia-7b", timeout=120)
+    assert result.returncode != 0 and "--model" in result.stderr

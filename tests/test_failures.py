@@ -1,0 +1,81 @@
+"""A dead or crashing generator stops the learner promptly with a clear error; Ctrl-C leaves no process behind."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+from conftest import REPO, run_script
+
+
+def start(tiny_dir: str, out: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "async_dpo.py"), "--model", "tiny", "--tiny_dir",
+                             tiny_dir, "--output_dir", out, *flags], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_training(process: subprocess.Popen, out: str, timeout: float = 180) -> list:
+    """Wait until the learner has logged an optimizer step; return its process tree."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = os.path.join(out, "metrics.jsonl")
+        if os.path.exists(path) and '"loss/dpo"' in open(path).read():
+            return psutil.Process(process.pid).children(recursive=True)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("no training step within the timeout")
+
+
+def generator_of(children: list) -> psutil.Process:
+    return next(c for c in children if "multiprocessing.spawn" in " ".join(c.cmdline()))
+
+
+def assert_all_gone(processes: list, timeout: float = 10) -> None:
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+
+
+def test_killed_generator_stops_the_learner(tiny_dir, tmp_path):
+    process = start(tiny_dir, str(tmp_path), "--total_episodes", "100000")
+    children = wait_for_training(process, str(tmp_path))
+    generator_of(children).kill()
+    killed_at = time.time()
+    _, stderr = process.communicate(timeout=60)
+    assert time.time() - killed_at < 10
+    assert process.returncode == 1
+    assert "generator process exited unexpectedly" in stderr
+    assert_all_gone(children)
+
+
+def test_crashing_generator_reports_its_error(tiny_dir, tmp_path):
+    """A model vLLM cannot serve on CPU (head size 16) but transformers can train: the engine's own error reaches
+    the user and the learner exits, no hang."""
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(tiny_dir, "sft"))
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=128, eos_token_id=tokenizer.eos_token_id, num_labels=1)
+    for name, model_class in (("sft", GPTNeoXForCausalLM), ("reward", GPTNeoXForSequenceClassification)):
+        model_class(config).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    started = time.time()
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path / "run"),
+                        "--sft_model_path", str(tmp_path / "sft"), "--reward_model_path", str(tmp_path / "reward"),
+                        timeout=180)
+    assert result.returncode == 1
+    assert "the generator process failed" in result.stderr
+    assert "Traceback" in result.stderr.split("the generator process failed")[1]  # the engine's own traceback
+    assert time.time() - started < 120
+
+
+def test_ctrl_c_shuts_everything_down(tiny_dir, tmp_path):
+    process = start(tiny_dir, str(tmp_path), "--total_episodes", "100000")
+    children = wait_for_training(process, str(tmp_path))
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    interrupted_at = time.time()
+    _, stderr = process.communicate(timeout=60)
+    assert time.time() - interrupted_at < 10
+    assert process.returncode == 130
+    assert "interrupted" in stderr
+    assert_all_gone(children)
