@@ -178,7 +178,8 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The tiny CPU configuration: a toy TL;DR built locally, so tests and the demo take the same path as a real run
 # ---------------------------------------------------------------------------------------------------------------
-def build_tiny_assets(tiny_dir: str, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4) -> str:
+def build_tiny_assets(tiny_dir: str, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+                      sft_steps: int = 150) -> str:
     """Build (once) a byte-level BPE tokenizer, a TL;DR-shaped dataset, a briefly SFT-trained Pythia-architecture
     policy and a reward model (the SFT backbone with a random, fixed score head). Returns the folder."""
     tiny_dir = os.path.expanduser(tiny_dir)
@@ -209,7 +210,9 @@ def build_tiny_assets(tiny_dir: str, hidden_size: int = 128, num_layers: int = 2
         return dict(query=query, reference_response=f" {summary}<|endoftext|>", subreddit=subreddit, title=title,
                     post=post, summary=summary)
 
-    build_dir = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(tiny_dir.rstrip("/")) or ".")
+    parent = os.path.dirname(os.path.abspath(tiny_dir))
+    os.makedirs(parent, exist_ok=True)
+    build_dir = tempfile.mkdtemp(prefix=".building-", dir=parent)
     splits = {"train": [example() for _ in range(4000)], "validation": [example() for _ in range(256)]}
     os.makedirs(os.path.join(build_dir, "data"))
     for split, rows in splits.items():
@@ -232,7 +235,7 @@ def build_tiny_assets(tiny_dir: str, hidden_size: int = 128, num_layers: int = 2
     policy = GPTNeoXForCausalLM(config)
     # A short SFT on the reference summaries, so the policy writes summary-like text that ends with EOS.
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
-    for step in range(150):
+    for step in range(sft_steps):
         rows = rng.sample(splits["train"], 32)
         encoded = [tokenizer(r["query"] + r["reference_response"])["input_ids"] for r in rows]
         width = max(len(e) for e in encoded)

@@ -13,7 +13,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """The tiny CPU configuration's models, tokenizer and dataset, built once per test session."""
     import async_dpo
 
-    return async_dpo.build_tiny_assets(str(tmp_path_factory.mktemp("tiny") / "assets"))
+    return async_dpo.build_tiny_assets(str(tmp_path_factory.mktemp("tiny") / "cache" / "assets"))
 
 
 def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 600, env: dict | None = None,

@@ -7,8 +7,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import async_dpo
-from async_dpo import (Args, compute_batch_sizes, dpo_loss, get_reward, left_pad, make_weight_buffer, pad_responses,
-                       select_pairs, sequence_logprobs, weights_from_buffer, write_weight_snapshot)
+from async_dpo import (
+    Args,
+    compute_batch_sizes,
+    dpo_loss,
+    get_reward,
+    left_pad,
+    make_weight_buffer,
+    pad_responses,
+    select_pairs,
+    sequence_logprobs,
+    weights_from_buffer,
+    write_weight_snapshot,
+)
 
 EOS, PAD = 0, 0
 

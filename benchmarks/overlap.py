@@ -1,0 +1,79 @@
+"""How well does async_dpo.py overlap generation with training? Runs the asynchronous pipeline on CPU with a model
+large enough that one generation and one training step each take ~0.3 s or more, generator and learner pinned to
+separate cores, and prints
+
+    overlap_efficiency = mean step time / mean max(generation time, training time)
+
+over the steady-state steps (1.00 is perfect overlap; the paper's runs sit near 1.17).
+
+    python benchmarks/overlap.py            # ~3 minutes on 2 cores
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import tyro
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import async_dpo  # noqa: E402
+
+
+@dataclass
+class Args:
+    steps: int = 30
+    """optimizer steps to run"""
+    warmup_steps: int = 5
+    """steps left out of the averages (engine and allocator warm-up)"""
+    hidden_size: int = 256
+    """width of the benchmark's Pythia-architecture model"""
+    num_layers: int = 4
+    """depth of the benchmark's model"""
+    batch_size: int = 8
+    """prompts per step"""
+    response_length: int = 64
+    """tokens per completion (the model is untrained, so completions run to this length)"""
+    max_prompt_length: int = 32
+    """prompt tokens kept"""
+    cache_dir: str = "~/.cache/async-rlhf/overlap-model"
+    """where the benchmark's model is built once"""
+
+
+def run_pipeline(script: str, model_dir: str, data_dir: str, args: Args, output_dir: str) -> list[dict]:
+    """Run one of the DPO scripts on the benchmark model; return its per-step records."""
+    command = [sys.executable, os.path.join(REPO, script), "--model", "tiny", "--sft_model_path",
+               os.path.join(model_dir, "sft"), "--reward_model_path", os.path.join(model_dir, "reward"), "--dataset",
+               data_dir, "--batch_size", str(args.batch_size), "--per_device_train_batch_size", str(args.batch_size),
+               "--response_length", str(args.response_length),
+               "--max_prompt_length", str(args.max_prompt_length),
+               "--total_episodes", str(args.steps * args.batch_size),
+               "--eval_every", "0", "--num_eval_prompts", "16", "--output_dir", output_dir]
+    subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    return [r for r in records if "time/step" in r]
+
+
+def mean(values: list) -> float:
+    return sum(values) / len(values)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    model_dir = async_dpo.build_tiny_assets(os.path.expanduser(args.cache_dir), hidden_size=args.hidden_size,
+                                            num_layers=args.num_layers, sft_steps=0)
+    with tempfile.TemporaryDirectory() as output_dir:
+        steps = run_pipeline("async_dpo.py", model_dir, os.path.join(model_dir, "data"), args, output_dir)
+    steady = steps[args.warmup_steps:]
+    print(f"{'step':>4} {'generation':>10} {'training':>9} {'weight_sync':>11} {'wait':>6} {'step_time':>9}")
+    for r in steady:
+        print(f"{r['step']:>4} {r['time/generation']:>10.3f} {r['time/training']:>9.3f} {r['time/weight_sync']:>11.4f}"
+              f" {r['time/learner_wait']:>6.3f} {r['time/step']:>9.3f}")
+    generation, training = mean([r["time/generation"] for r in steady]), mean([r["time/training"] for r in steady])
+    step_time = mean([r["time/step"] for r in steady])
+    ideal = mean([max(r["time/generation"], r["time/training"]) for r in steady])
+    print(f"mean generation={generation:.3f}s training={training:.3f}s step={step_time:.3f}s "
+          f"(sequential would be {generation + training:.3f}s)")
+    print(f"overlap_efficiency={step_time / ideal:.2f}")
