@@ -615,6 +615,10 @@ if __name__ == "__main__":
                        dir=args.output_dir, save_code=True)
             wandb.define_metric("step")
             wandb.define_metric("*", step_metric="step")
+        print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds of "
+              f"{prompts_per_round} prompts x {args.num_samples} samples; metrics in {args.output_dir}/metrics.jsonl",
+              flush=True)
+    if rank == 0:
         max_model_len = args.max_prompt_length + max(args.response_length, args.eval_response_length)
         engine_kwargs = dict(model=args.sft_model_path, dtype=dtype_name, seed=args.seed, enforce_eager=True,
                              max_model_len=max_model_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
@@ -632,9 +636,6 @@ if __name__ == "__main__":
             engine_kwargs, weight_buffer, weight_table, requests, results,
             None if use_cuda else generator_cores, run_tmp_dir))
         generator.start()
-        print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds of "
-              f"{prompts_per_round} prompts x {args.num_samples} samples; metrics in {args.output_dir}/metrics.jsonl",
-              flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     def log(record: dict) -> None:
@@ -709,14 +710,24 @@ if __name__ == "__main__":
             record["eval/gold_win_rate"] = sums["gold_wins"] / sums["count"]
         if rank == 0:
             record["eval/samples"] = [dict(prompt=tokenizer.decode(eval_prompts[i])[-200:],
-                                           response=tokenizer.decode(message["responses"][i]))
+                                           response=tokenizer.decode(response_ids[i][response_mask[i].bool()]))
                                       for i in range(min(3, len(eval_prompts)))]
             record["time/eval"] = time.time() - start
+            record["time/elapsed"] = time.time() - training_start
             tqdm.write(f"eval @ step {record['step']}: win rate {record['eval/win_rate']:.3f}, reward "
                        f"{record['eval/reward']:.3f}, perplexity {record['eval/perplexity']:.3f}")
             for sample in record["eval/samples"]:
                 tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
         log(record)
+
+    def submit(request: dict) -> None:
+        """Queue a generation request for the generator process (rank 0 talks to it for all ranks)."""
+        if rank == 0:
+            send(requests, request, generator)
+
+    def collect() -> dict:
+        """The generator's next result, on every rank."""
+        return share(receive(results, generator) if rank == 0 else None, rank, args.world_size)
 
     def next_batch() -> tuple[dict, float]:
         """Wait for the next training batch, evaluating any evaluation results that arrive first. Returns the batch
@@ -724,7 +735,7 @@ if __name__ == "__main__":
         waited = 0.0
         while True:
             start = time.time()
-            message = share(receive(results, generator) if rank == 0 else None, rank, args.world_size)
+            message = collect()
             waited += time.time() - start
             if message["kind"] == "train":
                 return message, waited
@@ -744,11 +755,12 @@ if __name__ == "__main__":
     evals_pending = 1  # the evaluation of the SFT weights, requested first
     steps_per_round = args.num_mini_batches * args.num_epochs
     L, K, G = args.local_batch_size, args.num_samples, args.gradient_accumulation_steps
-    progress = tqdm(total=args.num_steps, desc="async_dpo", disable=rank != 0, dynamic_ncols=True)
+    local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # my prompts
+    progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
     try:
-        if rank == 0:
-            send(requests, eval_request(0), generator)
-            send(requests, train_request(0, 0), generator)
+        training_start = time.time()
+        submit(eval_request(0))
+        submit(train_request(0, 0))
         for round_index in range(args.num_rounds):
             round_start = time.time()
             batch, learner_wait = next_batch()
@@ -758,15 +770,13 @@ if __name__ == "__main__":
             synced_version = sync_weights(version, synced_version)
             if version > 0 and eval_due(version, last_eval):
                 last_eval, evals_pending = version, evals_pending + 1
-                if rank == 0:
-                    send(requests, eval_request(version), generator)
-            if rank == 0 and round_index + 1 < args.num_rounds:
-                send(requests, train_request(round_index + 1, version), generator)
+                submit(eval_request(version))
+            if round_index + 1 < args.num_rounds:
+                submit(train_request(round_index + 1, version))
             weight_sync_time = time.time() - sync_start
 
             # Score every completion of this rank's prompts, pick pairs, and compute reference log-probs once
             train_start = time.time()
-            local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]
             round_prompts = train_request(round_index, version)["prompts"]
             query_ids, query_mask = left_pad([round_prompts[i] for i in local], pad_id)
             response_ids, response_mask, has_eos = pad_responses(
@@ -835,6 +845,7 @@ if __name__ == "__main__":
                             "time/generation": batch["generation_time"], "time/weight_load": batch["weight_load_time"],
                             "time/weight_sync": weight_sync_time, "time/learner_wait": learner_wait,
                             "time/training": time.time() - train_start, "time/step": time.time() - round_start})
+                    record["time/elapsed"] = time.time() - training_start
                     log(record)
                     progress.update(1)
                     progress.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss/dpo']:.3f}",
@@ -844,10 +855,9 @@ if __name__ == "__main__":
         sync_weights(version, synced_version)
         if version != last_eval:
             evals_pending += 1
-            if rank == 0:
-                send(requests, eval_request(version), generator)
+            submit(eval_request(version))
         while evals_pending:
-            evaluate(share(receive(results, generator) if rank == 0 else None, rank, args.world_size))
+            evaluate(collect())
         progress.close()
         if rank == 0 and args.save_model:
             unwrapped_policy.save_pretrained(os.path.join(args.output_dir, "model"))
