@@ -90,8 +90,8 @@ class Args:
     """N: generate N mini-batches with one set of weights, then take N optimizer steps (the off-policyness knob)"""
     num_epochs: int = 1
     """T: passes over each generated batch"""
-    missing_eos_penalty: float = -1.0
-    """score given to a completion that never emits EOS, instead of the reward model's score"""
+    missing_eos_penalty: Optional[float] = -1.0
+    """score given to a completion that never emits EOS, instead of the reward model's score (None: no penalty)"""
     max_grad_norm: Optional[float] = None
     """clip gradients to this norm (off by default, as in the paper's TL;DR runs)"""
 
@@ -358,13 +358,16 @@ def sequence_logprobs(model, query_ids, query_mask, response_ids, response_mask,
 
 
 @torch.no_grad()
-def get_reward(reward_model, query_ids, query_mask, response_ids, response_mask, has_eos, missing_eos_penalty: float):
+def get_reward(reward_model, query_ids, query_mask, response_ids, response_mask, has_eos,
+               missing_eos_penalty: Optional[float]):
     """Reward-model score at the last non-padding token of prompt + response; completions without EOS get the
     penalty instead."""
     inputs = forward_inputs(query_ids, query_mask, response_ids, response_mask)
     hidden = getattr(reward_model, reward_model.base_model_prefix)(**inputs).last_hidden_state
     last_index = query_ids.shape[1] + response_mask.sum(1) - 1
     scores = reward_model.score(hidden[torch.arange(len(hidden)), last_index]).squeeze(-1).float()
+    if missing_eos_penalty is None:
+        return scores
     return torch.where(has_eos.to(scores.device), scores, torch.full_like(scores, missing_eos_penalty))
 
 
@@ -711,7 +714,7 @@ if __name__ == "__main__":
         if rank == 0:
             record["eval/samples"] = [dict(prompt=tokenizer.decode(eval_prompts[i])[-200:],
                                            response=tokenizer.decode(response_ids[i][response_mask[i].bool()]))
-                                      for i in range(min(3, len(eval_prompts)))]
+                                      for i in range(min(3, len(response_ids)))]
             record["time/eval"] = time.time() - start
             record["time/elapsed"] = time.time() - training_start
             tqdm.write(f"eval @ step {record['step']}: win rate {record['eval/win_rate']:.3f}, reward "
