@@ -1,6 +1,7 @@
 # Synchronous Online DPO: the baseline of "Asynchronous RLHF" (Noukhovitch et al. 2024, arXiv 2410.18252).
 # The twin of async_dpo.py: generate with the current weights, then train, then generate again; nothing overlaps.
 # `diff sync_baseline.py async_dpo.py` shows what asynchrony changes. Demo: `python sync_baseline.py --model tiny`.
+import contextlib
 import json
 import logging
 import os
@@ -116,6 +117,9 @@ class Args:
     """fraction of GPU 0's memory vLLM may use (lower it when the learner shares that GPU)"""
     generator_cores: int = 1
     """CPU runs only: cores reserved for the generator; the learner gets the rest"""
+    fsdp: bool = False
+    """under torchrun, shard the policy, reference and reward models over the learners with FSDP2 instead of
+    replicating the policy with DDP (for models that do not fit one GPU)"""
 
     # to be filled in at runtime
     run_name: str = ""
@@ -162,6 +166,8 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
         fail(f"--vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if args.temperature <= 0 or args.eval_temperature <= 0:
         fail("--temperature and --eval_temperature must be positive")
+    if args.fsdp and world_size == 1:
+        fail("--fsdp shards over several learner processes: launch with torchrun --nproc_per_node N")
     if args.batch_size % world_size:
         fail(f"--batch_size {args.batch_size} must divide evenly over {world_size} learner processes")
     args.world_size = world_size
@@ -413,23 +419,34 @@ def disable_dropout(model: torch.nn.Module) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Weight hand-off: one persistent shared buffer, written by the learner, read by the generator
 # ---------------------------------------------------------------------------------------------------------------
-def make_weight_buffer(model: torch.nn.Module, dtype: torch.dtype, device: torch.device):
-    """Allocate, once, a flat buffer big enough for every parameter, plus its (name, offset, shape) table.
-    On CPU it lives in shared memory; on GPU torch shares it with the generator via CUDA IPC."""
+def weight_table(model: torch.nn.Module) -> list:
+    """(name, offset, shape) of every parameter in one flat buffer, in the order of model.parameters()."""
     table, offset = [], 0
     for name, param in model.named_parameters():
         table.append((name, offset, tuple(param.shape)))
         offset += param.numel()
-    buffer = torch.empty(offset, dtype=dtype, device=device)
-    return (buffer.share_memory_() if device.type == "cpu" else buffer), table
+    return table
+
+
+def make_weight_buffer(table: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate, once, a flat buffer for every parameter. On CPU it lives in shared memory; on GPU torch shares it
+    with the generator via CUDA IPC."""
+    name, offset, shape = table[-1]
+    buffer = torch.empty(offset + int(np.prod(shape)), dtype=dtype, device=device)
+    return buffer.share_memory_() if device.type == "cpu" else buffer
 
 
 @torch.no_grad()
-def write_weight_snapshot(model: torch.nn.Module, buffer: torch.Tensor, table: list) -> None:
+def write_weight_snapshot(model: torch.nn.Module, buffer: Optional[torch.Tensor], table: list) -> None:
     """Copy the current parameters into the buffer: the generator sees a snapshot, never tensors the optimizer is
-    about to change. Safe to call only when the generator is not reading (see the schedule in the main loop)."""
+    about to change. Safe to call only when the generator is not reading (see the schedule in the main loop).
+    Under FSDP2 every rank calls it (gathering a sharded parameter is a collective); only rank 0 has a buffer."""
+    from torch.distributed.tensor import DTensor
+
     for (name, offset, shape), param in zip(table, model.parameters()):
-        buffer[offset: offset + param.numel()].copy_(param.detach().reshape(-1))
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if buffer is not None:
+            buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
 
 
 def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
@@ -477,12 +494,13 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_tabl
                 loaded_version = request["weights_version"]
             load_time = time.time() - start
             sampling = SamplingParams(n=request["n"], temperature=request["temperature"],
-                                      max_tokens=request["max_tokens"], detokenize=False)
+                                      max_tokens=request["max_tokens"], logprobs=0, detokenize=False)
             start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling,
                                    use_tqdm=False)
             results.put(dict(kind=request["kind"], round=request["round"], generation_version=loaded_version,
                              responses=[list(c.token_ids) for out in outputs for c in out.outputs],
+                             logprobs=[c.cumulative_logprob for out in outputs for c in out.outputs],
                              generation_time=time.time() - start, weight_load_time=load_time))
     except BaseException:
         results.put(dict(kind="error", traceback=traceback.format_exc()))
@@ -549,6 +567,8 @@ if __name__ == "__main__":
     args = parse_args()
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     compute_batch_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
+    if args.fsdp and args.generation_backend == "hf":  # ranks would sample different lengths: mismatched collectives
+        fail("--fsdp works with --generation_backend vllm only")
     if args.model == "tiny":
         tiny_dir = build_tiny_assets(args.tiny_dir)
         preset = (os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "reward"), os.path.join(tiny_dir, "data"))
@@ -609,8 +629,18 @@ if __name__ == "__main__":
     for frozen in (ref_policy, reward_model):
         frozen.eval().requires_grad_(False)
     disable_dropout(policy)
-    unwrapped_policy = policy
-    if args.world_size > 1:
+    unwrapped_policy, weight_layout = policy, weight_table(policy)
+    if args.fsdp:  # shard every transformer block, then each top-level piece (embeddings, heads) as its own unit,
+        from torch.distributed.fsdp import fully_shard  # so that get_reward may call the score head directly
+
+        for model in filter(None, (policy, ref_policy, reward_model, gold_model)):
+            for module in model.modules():
+                if type(module).__name__ in (model._no_split_modules or []):
+                    fully_shard(module)
+            for child in model.children():
+                fully_shard(child)
+            fully_shard(model)
+    elif args.world_size > 1:
         policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if use_cuda else None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / args.num_steps)
@@ -621,13 +651,15 @@ if __name__ == "__main__":
     prompts_per_round = args.batch_size * args.num_mini_batches
     passes = -(-args.num_rounds * prompts_per_round // len(train_prompts))
     prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])
-    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
+    # Equal shards per rank: sharded models need every rank to run the same number of forward passes
+    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data)) // args.world_size
+                                       * args.world_size))
     eval_prompts = tokenize_prompts(tokenizer, eval_data["query"], args.max_prompt_length)
     eval_references = tokenizer(list(eval_data["reference_response"]), add_special_tokens=False)["input_ids"]
     eval_shard = slice(rank * len(eval_prompts) // args.world_size, (rank + 1) * len(eval_prompts) // args.world_size)
 
     # Generator process (rank 0 only), the one-slot queues to and from it, and the shared weight buffer
-    generator, requests, results, run_tmp_dir = None, None, None, None
+    generator, requests, results, run_tmp_dir, weight_buffer = None, None, None, None, None
     if rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
         metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
@@ -643,20 +675,22 @@ if __name__ == "__main__":
               flush=True)
     if rank == 0 and args.generation_backend == "vllm":
         max_model_len = args.max_prompt_length + max(args.response_length, args.eval_response_length)
+        # processed_logprobs: log-probs of the distribution actually sampled, log_softmax(logits / temperature)
         engine_kwargs = dict(model=args.sft_model_path, dtype=dtype_name, seed=args.seed, enforce_eager=True,
-                             max_model_len=max_model_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+                             max_model_len=max_model_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                             logprobs_mode="processed_logprobs")
         if not use_cuda:  # size the CPU KV cache for one round of sequences; vLLM's default takes 18 GiB
             config = AutoConfig.from_pretrained(args.sft_model_path)
             bytes_per_token = 2 * config.num_hidden_layers * config.hidden_size * dtype.itemsize
             sequences = min(prompts_per_round * args.num_samples, 256)
             kv_bytes = bytes_per_token * max_model_len * sequences
             engine_kwargs["kv_cache_memory_bytes"] = min(max(kv_bytes, 2**25), 2**33)
-        weight_buffer, weight_table = make_weight_buffer(unwrapped_policy, dtype, device)
+        weight_buffer = make_weight_buffer(weight_layout, dtype, device)
         run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
         ctx = mp.get_context("spawn")
         requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
         generator = ctx.Process(target=generator_main, args=(
-            engine_kwargs, weight_buffer, weight_table, requests, results,
+            engine_kwargs, weight_buffer, weight_layout, requests, results,
             None if use_cuda else generator_cores, run_tmp_dir))
         generator.start()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -765,7 +799,7 @@ if __name__ == "__main__":
         for j, i in enumerate(mine):
             responses[i * n: (i + 1) * n] = sampled[j * n: (j + 1) * n]
         return dict(kind=request["kind"], round=request["round"], generation_version=version, responses=responses,
-                    generation_time=time.time() - start, weight_load_time=0.0)
+                    logprobs=None, generation_time=time.time() - start, weight_load_time=0.0)
 
     def next_batch() -> tuple[dict, float]:
         """Wait for the next training batch, evaluating any evaluation results that arrive first. Returns the batch
@@ -781,8 +815,8 @@ if __name__ == "__main__":
 
     def sync_weights(version: int, synced_version: int) -> int:
         """Write the snapshot of `version` into the buffer if the generator does not have it yet."""
-        if generator is not None and version != synced_version:
-            write_weight_snapshot(unwrapped_policy, weight_buffer, weight_table)
+        if version != synced_version and (generator is not None or args.fsdp):
+            write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
         return version
 
     def eval_due(version: int, last_eval: int) -> bool:
@@ -827,18 +861,26 @@ if __name__ == "__main__":
             ref_logps, _ = ref_logprobs_in_chunks(query_ids.repeat(2, 1), query_mask.repeat(2, 1), pair_ids, pair_mask,
                                                   args.temperature)
             ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2)
+            # The generator's log-probs of the same pairs: against the learner's they show how off-policy the data is
+            # (the hf backend samples with the learner's own weights and reports none)
+            if batch["logprobs"] is not None:
+                generator_logps = torch.tensor([batch["logprobs"][i * K + k] for i in local for k in range(K)])
+                generator_pair_logps = torch.cat([generator_logps[rows + chosen], generator_logps[rows + rejected]])
 
             # N mini-batches x T epochs of DPO updates on this round's pairs
             for epoch in range(args.num_epochs):
                 for mini_batch in range(args.num_mini_batches):
                     mb = slice(mini_batch * L, (mini_batch + 1) * L)
                     num_valid = max(reduce_sums({"v": valid[mb].sum().item()}, args.world_size)["v"], 1.0)
-                    sums = {"loss": 0.0, "chosen_logps": 0.0, "rejected_logps": 0.0}
+                    sums = {"loss": 0.0, "chosen_logps": 0.0, "rejected_logps": 0.0, "generator_gap": 0.0}
                     for micro in range(G):
                         idx = torch.arange(mb.start + micro * L // G, mb.start + (micro + 1) * L // G)
                         pair_idx = torch.cat([idx, idx + len(local)])
                         sync_grads = micro == G - 1 or args.world_size == 1
-                        with (policy.no_sync() if not sync_grads else torch.enable_grad()), autocast:
+                        if args.fsdp:  # FSDP2's form of DDP's no_sync
+                            policy.set_requires_gradient_sync(sync_grads)
+                        no_sync = policy.no_sync() if not sync_grads and not args.fsdp else contextlib.nullcontext()
+                        with no_sync, autocast:
                             logps, _ = sequence_logprobs(policy, query_ids[idx].repeat(2, 1).to(device),
                                                          query_mask[idx].repeat(2, 1).to(device),
                                                          pair_ids[pair_idx].to(device), pair_mask[pair_idx].to(device),
@@ -852,6 +894,9 @@ if __name__ == "__main__":
                         sums["loss"] += (losses * mask).sum().item()
                         sums["chosen_logps"] += (chosen_logps.detach() * mask).sum().item()
                         sums["rejected_logps"] += (rejected_logps.detach() * mask).sum().item()
+                        if batch["logprobs"] is not None:
+                            gap = logps.detach().cpu() - generator_pair_logps[pair_idx]
+                            sums["generator_gap"] += (gap * mask.cpu().repeat(2)).sum().item()
                     if args.max_grad_norm:
                         torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     optimizer.step()
@@ -873,9 +918,12 @@ if __name__ == "__main__":
                         "reward/rejected": stats["rejected_reward"] / args.batch_size,
                         "loss/dpo": stats["loss"] / num_valid, "logps/chosen": stats["chosen_logps"] / num_valid,
                         "logps/rejected": stats["rejected_logps"] / num_valid,
+                        "logps/generator_gap": stats["generator_gap"] / (2 * num_valid),
                         "pairs/valid_fraction": stats["valid"] / args.batch_size,
                         "eos/fraction": stats["eos"] / (args.batch_size * K), "lr": scheduler.get_last_lr()[0],
                     }
+                    if batch["logprobs"] is None:
+                        del record["logps/generator_gap"]
                     if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:
                         record.update({
                             "time/generation": batch["generation_time"], "time/weight_load": batch["weight_load_time"],
@@ -895,10 +943,15 @@ if __name__ == "__main__":
         while evals_pending:
             evaluate(collect())
         progress.close()
-        if rank == 0 and args.save_model:
-            unwrapped_policy.save_pretrained(os.path.join(args.output_dir, "model"))
-            tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
-            print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
+        if args.save_model:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full_state = get_model_state_dict(unwrapped_policy, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True)) if args.fsdp else None  # a collective under FSDP2
+            if rank == 0:
+                unwrapped_policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
+                tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+                print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
     except GeneratorError as error:
         if args.world_size > 1 and rank == 0:
             share(error, rank, args.world_size)  # let the other ranks stop too

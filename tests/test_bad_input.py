@@ -11,6 +11,7 @@ from conftest import run_script
     (["--total_episodes", "-5"], "--total_episodes"),
     (["--batch_size", "30"], "--per_device_train_batch_size"),
     (["--vllm_gpu_memory_utilization", "0"], "--vllm_gpu_memory_utilization"),
+    (["--fsdp"], "--fsdp"),  # without torchrun there is nothing to shard over
     (["--sft_model_path", "/no/such/model"], "--sft_model_path /no/such/model"),
     (["--reward_model_path", "nobody/no-such-reward-model"], "--reward_model_path nobody/no-such-reward-model"),
     (["--dataset", "/no/such/data.jsonl"], "--dataset /no/such/data.jsonl"),

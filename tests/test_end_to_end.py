@@ -30,6 +30,10 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
     # The learner trains on the batch the previous weights generated: staleness 0 for the first batch, then 1
     assert [r["staleness"] for r in steps] == [0] + [1] * 59
+    # vLLM's log-probs of the sampled pairs equal the learner's when the weights are the same (the first step), and
+    # differ once the learner is a step ahead: the weights and the temperature scaling reach the generator intact
+    gaps = [abs(r["logps/generator_gap"]) for r in steps]
+    assert gaps[0] < 1e-4 and sorted(gaps[1:])[len(gaps) // 2] > 1e-3
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60]
     assert all(set(EVAL_METRICS) <= set(r) and len(r["eval/samples"]) == 3 for r in evals)
     # Rewards rise: on held-out prompts and in training
@@ -46,18 +50,38 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     assert "eval @ step 60" in result.stderr + result.stdout
 
 
-def test_torchrun_two_learner_processes(tiny_dir, tmp_path):
-    """DDP with two learner ranks on CPU (gloo); rank 0 owns the generator and shares batches."""
+SHORT_RUN = ("--total_episodes", "192", "--eval_every", "3", "--num_eval_prompts", "16")
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
+    out = tmp_path_factory.mktemp("single")
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(str(out))
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, sharding):
+    """Two learner ranks on CPU (gloo), DDP or FSDP2; rank 0 owns the generator and shares batches. Same seed, same
+    trajectory as one process: the ranks really split one batch and average their gradients."""
     out = tmp_path / "run"
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), "--total_episodes",
-                        "192", "--eval_every", "3", "--num_eval_prompts", "16",
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN,
+                        *(["--fsdp", "--save_model"] if sharding == "fsdp" else []),
                         launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     assert result.returncode == 0, result.stderr[-3000:]
     steps, evals = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
     assert [r["step"] for r in evals] == [0, 3, 6]
-    assert all(0.0 <= r["eval/win_rate"] <= 1.0 for r in evals)
+    single_steps, single_evals = single_process_run
+    for key in ("reward/mean", "loss/dpo", "logps/chosen"):
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3)
+    assert [r["eval/win_rate"] for r in evals] == [r["eval/win_rate"] for r in single_evals]
+    if sharding == "fsdp":  # the full weights were gathered from the shards and saved
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(out / "model")
 
 
 @pytest.mark.parametrize("num_mini_batches, staleness", [(2, [0, 1, 2, 3, 2, 3])])

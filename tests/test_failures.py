@@ -36,16 +36,26 @@ def assert_all_gone(processes: list, timeout: float = 10) -> None:
     assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
 
 
-def test_killed_generator_stops_the_learner(tiny_dir, tmp_path):
-    process = start(tiny_dir, str(tmp_path), "--total_episodes", "100000")
-    children = wait_for_training(process, str(tmp_path))
-    generator_of(children).kill()
-    killed_at = time.time()
+def stop_mid_training(tiny_dir: str, out: str, stop) -> tuple[float, int, str]:
+    """Start a long run, call `stop(process, children)` once it trains, and return how long the learner then took
+    to exit, its exit code and its stderr. Nothing it started may outlive it."""
+    process = start(tiny_dir, out, "--total_episodes", "100000")
+    children = wait_for_training(process, out)
+    stop(process, children)
+    stopped_at = time.time()
     _, stderr = process.communicate(timeout=60)
-    assert time.time() - killed_at < 10
-    assert process.returncode == 1
-    assert "generator process exited unexpectedly" in stderr
+    elapsed = time.time() - stopped_at
     assert_all_gone(children)
+    return elapsed, process.returncode, stderr
+
+
+def test_killed_generator_stops_the_learner(tiny_dir, tmp_path):
+    def kill_generator(_, children: list) -> None:
+        generator_of(children).kill()
+
+    elapsed, code, stderr = stop_mid_training(tiny_dir, str(tmp_path), kill_generator)
+    assert elapsed < 10 and code == 1
+    assert "generator process exited unexpectedly" in stderr
 
 
 def test_crashing_generator_reports_its_error(tiny_dir, tmp_path):
@@ -70,12 +80,9 @@ def test_crashing_generator_reports_its_error(tiny_dir, tmp_path):
 
 
 def test_ctrl_c_shuts_everything_down(tiny_dir, tmp_path):
-    process = start(tiny_dir, str(tmp_path), "--total_episodes", "100000")
-    children = wait_for_training(process, str(tmp_path))
-    os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-    interrupted_at = time.time()
-    _, stderr = process.communicate(timeout=60)
-    assert time.time() - interrupted_at < 10
-    assert process.returncode == 130
+    def ctrl_c(process: subprocess.Popen, _) -> None:
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal does: SIGINT to the whole foreground group
+
+    elapsed, code, stderr = stop_mid_training(tiny_dir, str(tmp_path), ctrl_c)
+    assert elapsed < 10 and code == 130
     assert "interrupted" in stderr
-    assert_all_gone(children)

@@ -15,7 +15,8 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     sft = os.path.join(tiny_dir, "sft")
     tokenizer = AutoTokenizer.from_pretrained(sft)
     policy = AutoModelForCausalLM.from_pretrained(sft)
-    buffer, table = async_dpo.make_weight_buffer(policy, torch.float32, torch.device("cpu"))
+    table = async_dpo.weight_table(policy)
+    buffer = async_dpo.make_weight_buffer(table, torch.float32, torch.device("cpu"))
     # Prompts longer than vLLM's CPU KV block (128 tokens), so that the prefix cache really holds them
     post = " ".join(["my roommate said the rent was late again and my landlord called"] * 12)
     prompts = async_dpo.tokenize_prompts(

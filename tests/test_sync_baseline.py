@@ -20,6 +20,10 @@ def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path, backend):
     assert evals[-1]["eval/reward"] > evals[0]["eval/reward"] + 0.05
     if backend == "vllm":  # the learner really waits for generation: nothing overlaps
         assert all(r["time/learner_wait"] >= 0.8 * r["time/generation"] for r in steps[1:])
+        # on-policy to the last bit: vLLM's log-probs of the pairs match the learner's at every step
+        assert all(abs(r["logps/generator_gap"]) < 1e-4 for r in steps)
+    else:
+        assert all("logps/generator_gap" not in r for r in steps)
 
 
 def test_sync_baseline_num_mini_batches_staleness(tiny_dir, tmp_path):

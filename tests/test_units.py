@@ -17,6 +17,7 @@ from async_dpo import (
     pad_responses,
     select_pairs,
     sequence_logprobs,
+    weight_table,
     weights_from_buffer,
     write_weight_snapshot,
 )
@@ -111,7 +112,8 @@ def test_batch_size_arithmetic_rejects_bad_values(overrides, message, capsys):
 
 def test_weight_snapshot_is_independent_of_the_optimizer(tiny_dir):
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
-    buffer, table = make_weight_buffer(policy, torch.float32, torch.device("cpu"))
+    table = weight_table(policy)
+    buffer = make_weight_buffer(table, torch.float32, torch.device("cpu"))
     assert buffer.is_shared()
     write_weight_snapshot(policy, buffer, table)
     snapshot = buffer.clone()
