@@ -14,7 +14,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from typing import Literal, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ class Args:
     """prompts with `query` and `reference_response` columns (hub name, local folder or file). Overrides the preset"""
     gold_reward_model_path: Optional[str] = None
     """optional gold reward model, used only in evaluation (must share the policy's tokenizer)"""
-    tiny_dir: str = "~/.cache/async-rlhf/tiny"
+    tiny_dir: str = "~/.cache/async-rlhf/tiny-v1"
     """where `--model tiny` builds (once) and caches its toy models, tokenizer and dataset"""
 
     # Algorithm specific arguments (paper defaults for TL;DR)
@@ -137,13 +137,11 @@ def parse_args() -> Args:
     # `--model tiny` needs its own defaults (small batches, short responses), which flags still override.
     # tyro cannot see the preset before parsing, so peek at it.
     argv = sys.argv[1:]
-    tiny = any(a in ("--model=tiny",) for a in argv) or any(
-        a == "--model" and i + 1 < len(argv) and argv[i + 1] == "tiny" for i, a in enumerate(argv)
-    )
+    tiny = "--model=tiny" in argv or any(a == "--model" and argv[i + 1: i + 2] == ["tiny"] for i, a in enumerate(argv))
     return tyro.cli(Args, default=Args(model="tiny", **TINY_DEFAULTS) if tiny else Args())
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """Stop early with a one-line error naming the bad flag or file."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
@@ -681,10 +679,11 @@ if __name__ == "__main__":
                 wandb.log({k: wandb.Table(columns=["prompt", "response"], data=[list(s.values()) for s in v])
                            if k == "eval/samples" else v for k, v in record.items()})
 
+    def round_prompts(round_index: int) -> list:
+        return [train_prompts[i] for i in prompt_order[round_index * prompts_per_round:][:prompts_per_round]]
+
     def train_request(round_index: int, version: int) -> dict:
-        indices = prompt_order[round_index * prompts_per_round: (round_index + 1) * prompts_per_round]
-        return dict(kind="train", round=round_index, weights_version=version,
-                    prompts=[train_prompts[i] for i in indices],
+        return dict(kind="train", round=round_index, weights_version=version, prompts=round_prompts(round_index),
                     n=args.num_samples, temperature=args.temperature, max_tokens=args.response_length)
 
     def eval_request(version: int) -> dict:
@@ -788,7 +787,6 @@ if __name__ == "__main__":
     # Training loop
     version, synced_version, last_eval = 0, 0, 0  # version = optimizer steps taken = weights generation
     evals_pending = 1  # the evaluation of the SFT weights, requested first
-    steps_per_round = args.num_mini_batches * args.num_epochs
     L, K, G = args.local_batch_size, args.num_samples, args.gradient_accumulation_steps
     local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # my prompts
     progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
@@ -812,8 +810,8 @@ if __name__ == "__main__":
 
             # Score every completion of this rank's prompts, pick pairs, and compute reference log-probs once
             train_start = time.time()
-            round_prompts = train_request(round_index, version)["prompts"]
-            query_ids, query_mask = left_pad([round_prompts[i] for i in local], pad_id)
+            prompts = round_prompts(round_index)
+            query_ids, query_mask = left_pad([prompts[i] for i in local], pad_id)
             response_ids, response_mask, has_eos = pad_responses(
                 [batch["responses"][i * K + k] for i in local for k in range(K)], args.response_length, eos_id, pad_id)
             repeated_ids, repeated_mask = query_ids.repeat_interleave(K, 0), query_mask.repeat_interleave(K, 0)
