@@ -47,18 +47,19 @@ if __name__ == "__main__":
             runs[name] = run_pipeline(script, model_dir, os.path.join(model_dir, "data"), args, output_dir, *extra)
 
     summary = {}
-    print(f"\n{'run':<10} {'generation':>10} {'training':>9} {'step':>7} {'reward(last 5)':>14} {'eval win rate':>13}")
+    print(f"\n{'run':<10} {'generation':>10} {'training':>9} {'step':>7} {'reward(last 10)':>15} {'eval reward':>11} "
+          f"{'eval win rate':>13}")
     for name, records in runs.items():
         steps = [r for r in records if "time/step" in r][args.warmup_steps:]
         evals = [r for r in records if "eval/win_rate" in r]
         summary[name] = dict(generation=mean([r["time/generation"] for r in steps]),
                              training=mean([r["time/training"] for r in steps]),
                              step=mean([r["time/step"] for r in steps]),
-                             reward=mean([r["reward/mean"] for r in records if "reward/mean" in r][-5:]),
-                             win_rate=evals[-1]["eval/win_rate"])
+                             reward=mean([r["reward/mean"] for r in records if "reward/mean" in r][-10:]),
+                             eval_reward=evals[-1]["eval/reward"], win_rate=evals[-1]["eval/win_rate"])
         s = summary[name]
-        print(f"{name:<10} {s['generation']:>9.3f}s {s['training']:>8.3f}s {s['step']:>6.3f}s {s['reward']:>14.3f}"
-              f" {s['win_rate']:>13.3f}")
+        print(f"{name:<10} {s['generation']:>9.3f}s {s['training']:>8.3f}s {s['step']:>6.3f}s {s['reward']:>15.3f}"
+              f" {s['eval_reward']:>11.3f} {s['win_rate']:>13.3f}")
     sync, fast = summary["sync-vllm"], summary["async"]
     speedup = sync["step"] / fast["step"]
     ideal = (sync["generation"] + sync["training"]) / max(sync["generation"], sync["training"])
@@ -74,10 +75,10 @@ if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, records in runs.items():
         steps = [r for r in records if "reward/mean" in r]
-        window = [[r["reward/mean"] for r in steps[max(0, i - 4): i + 1]] for i in range(len(steps))]
+        window = [[r["reward/mean"] for r in steps[max(0, i - 9): i + 1]] for i in range(len(steps))]
         ax.plot([r["time/elapsed"] for r in steps], [mean(w) for w in window], label=name)
     ax.set_xlabel("wall-clock time since the run started training (s)")
-    ax.set_ylabel("training reward, mean of the last 5 steps")
+    ax.set_ylabel("training reward, mean of the last 10 steps")
     ax.set_title(f"Online DPO on CPU, {args.steps} steps each")
     ax.legend()
     fig.tight_layout()
