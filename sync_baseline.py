@@ -372,7 +372,8 @@ def get_reward(reward_model, query_ids, query_mask, response_ids, response_mask,
     inputs = forward_inputs(query_ids, query_mask, response_ids, response_mask)
     hidden = getattr(reward_model, reward_model.base_model_prefix)(**inputs).last_hidden_state
     last_index = query_ids.shape[1] + response_mask.sum(1) - 1
-    scores = reward_model.score(hidden[torch.arange(len(hidden)), last_index]).squeeze(-1).float()
+    rows = torch.arange(len(hidden), device=hidden.device)
+    scores = reward_model.score(hidden[rows, last_index]).squeeze(-1).float()
     if missing_eos_penalty is None:
         return scores
     return torch.where(has_eos.to(scores.device), scores, torch.full_like(scores, missing_eos_penalty))
@@ -588,6 +589,9 @@ if __name__ == "__main__":
     if use_cuda:
         device = torch.device("cuda", local_rank + 1 if torch.cuda.device_count() > args.world_size else local_rank)
         torch.cuda.set_device(device)
+        if device.index == 0 and args.vllm_gpu_memory_utilization > 0.5 and rank == 0:
+            print(f"warning: the learner shares GPU 0 with vLLM, which may take {args.vllm_gpu_memory_utilization:.0%}"
+                  " of it: lower --vllm_gpu_memory_utilization if the learner runs out of memory", flush=True)
     else:
         device = torch.device("cpu")
         all_cores = sorted(os.sched_getaffinity(0))
