@@ -458,7 +458,7 @@ def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
 # The paper ran vLLM in a thread of the learner and lost ~15-20% of each step to the GIL. A spawned process
 # shares no GIL, and it keeps vLLM's side effects out of the learner: vLLM patches transformers' GPTNeoX classes
 # and initialises torch.distributed in whatever process builds the engine.
-def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_table: list, requests, results,
+def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list, requests, results,
                    cores: Optional[list], run_tmp_dir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the learner, which shuts us down
     try:
@@ -488,7 +488,7 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_tabl
             start = time.time()
             if request["weights_version"] != loaded_version:
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
-                    weight_buffer, weight_table)})
+                    weight_buffer, weight_layout)})
                 llm.reset_prefix_cache()  # without this, cached prompt states from the old weights are reused
                 loaded_version = request["weights_version"]
             load_time = time.time() - start
