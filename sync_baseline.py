@@ -430,7 +430,7 @@ def weight_table(model: torch.nn.Module) -> list:
 def make_weight_buffer(table: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate, once, a flat buffer for every parameter. On CPU it lives in shared memory; on GPU torch shares it
     with the generator via CUDA IPC."""
-    name, offset, shape = table[-1]
+    _, offset, shape = table[-1]
     buffer = torch.empty(offset + int(np.prod(shape)), dtype=dtype, device=device)
     return buffer.share_memory_() if device.type == "cpu" else buffer
 
@@ -660,8 +660,7 @@ if __name__ == "__main__":
     eval_references = tokenizer(list(eval_data["reference_response"]), add_special_tokens=False)["input_ids"]
     eval_shard = slice(rank * len(eval_prompts) // args.world_size, (rank + 1) * len(eval_prompts) // args.world_size)
 
-    # Generator process (rank 0 only), the one-slot queues to and from it, and the shared weight buffer
-    generator, requests, results, run_tmp_dir, weight_buffer = None, None, None, None, None
+    # Logging (rank 0 only): metrics.jsonl, and wandb with --track
     if rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
         metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
@@ -675,6 +674,8 @@ if __name__ == "__main__":
         print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds of "
               f"{prompts_per_round} prompts x {args.num_samples} samples; metrics in {args.output_dir}/metrics.jsonl",
               flush=True)
+    # Generator process (rank 0 only), the one-slot queues to and from it, and the shared weight buffer
+    generator, requests, results, run_tmp_dir, weight_buffer = None, None, None, None, None
     if rank == 0 and args.generation_backend == "vllm":
         max_model_len = args.max_prompt_length + max(args.response_length, args.eval_response_length)
         # processed_logprobs: log-probs of the distribution actually sampled, log_softmax(logits / temperature)
@@ -830,6 +831,7 @@ if __name__ == "__main__":
     evals_pending = 1  # the evaluation of the SFT weights, requested first
     L, K, G = args.local_batch_size, args.num_samples, args.gradient_accumulation_steps
     local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # my prompts
+    local_completions = [i * K + k for i in local for k in range(K)]  # prompt-major, as the generator returns them
     progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
     try:
         training_start = time.time()
@@ -852,22 +854,21 @@ if __name__ == "__main__":
             prompts = round_prompts(round_index)
             query_ids, query_mask = left_pad([prompts[i] for i in local], pad_id)
             response_ids, response_mask, has_eos = pad_responses(
-                [batch["responses"][i * K + k] for i in local for k in range(K)], args.response_length, eos_id, pad_id)
+                [batch["responses"][c] for c in local_completions], args.response_length, eos_id, pad_id)
             repeated_ids, repeated_mask = query_ids.repeat_interleave(K, 0), query_mask.repeat_interleave(K, 0)
             scores = score_in_chunks(reward_model, repeated_ids, repeated_mask, response_ids, response_mask, has_eos)
             scores = scores.view(-1, K)
             chosen, rejected, valid = select_pairs(scores)
             rows = torch.arange(len(local)) * K
-            pair_ids = torch.cat([response_ids[rows + chosen], response_ids[rows + rejected]])
-            pair_mask = torch.cat([response_mask[rows + chosen], response_mask[rows + rejected]])
+            pairs = torch.cat([rows + chosen, rows + rejected])  # all chosen completions, then all rejected ones
+            pair_ids, pair_mask = response_ids[pairs], response_mask[pairs]
             ref_logps, _ = ref_logprobs_in_chunks(query_ids.repeat(2, 1), query_mask.repeat(2, 1), pair_ids, pair_mask,
                                                   args.temperature)
             ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2)
             # The generator's log-probs of the same pairs: against the learner's they show how off-policy the data is
             # (the hf backend samples with the learner's own weights and reports none)
             if batch["logprobs"] is not None:
-                generator_logps = torch.tensor([batch["logprobs"][i * K + k] for i in local for k in range(K)])
-                generator_pair_logps = torch.cat([generator_logps[rows + chosen], generator_logps[rows + rejected]])
+                generator_pair_logps = torch.tensor([batch["logprobs"][c] for c in local_completions])[pairs]
 
             # N mini-batches x T epochs of DPO updates on this round's pairs
             for epoch in range(args.num_epochs):
