@@ -11,9 +11,11 @@ sys.path.insert(0, REPO)
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """The tiny CPU configuration's models, tokenizer and dataset, built once per test session."""
-    import async_dpo
+    import tiny_world
 
-    return async_dpo.build_tiny_assets(str(tmp_path_factory.mktemp("tiny") / "cache" / "assets"))
+    tiny_dir = str(tmp_path_factory.mktemp("tiny") / "cache" / "assets")
+    tiny_world.build_tldr(tiny_dir)
+    return tiny_dir
 
 
 def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 600, env: dict | None = None,

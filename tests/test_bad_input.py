@@ -1,5 +1,6 @@
 """Bad input gets an early, clear error naming the flag or file, and a non-zero exit: never a hang."""
 import json
+import os
 
 import pytest
 from conftest import run_script
@@ -21,6 +22,15 @@ def test_bad_flags_are_rejected_early(tiny_dir, tmp_path, flags, message):
                         env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode != 0
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_reward_model_without_a_score_head_is_rejected(tiny_dir, tmp_path):
+    """An SFT checkpoint passed as the reward model would get a random head and train against noise."""
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path),
+                        "--reward_model_path", os.path.join(tiny_dir, "sft"), timeout=180)
+    assert result.returncode == 2
+    assert "--reward_model_path" in result.stderr and "no trained `score` head" in result.stderr
     assert "Traceback" not in result.stderr
 
 

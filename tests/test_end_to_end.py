@@ -11,12 +11,13 @@ from conftest import run_script
 STEP_METRICS = ["step", "episode", "staleness", "time/generation", "time/training", "time/weight_sync",
                 "time/learner_wait", "time/step", "reward/mean", "reward/chosen", "reward/rejected", "loss/dpo",
                 "logps/chosen", "logps/rejected", "eos/fraction", "lr"]
-EVAL_METRICS = ["eval/win_rate", "eval/reward", "eval/perplexity"]
+EVAL_METRICS = ["eval/proxy_win_rate", "eval/proxy_win_rate_stderr", "eval/proxy_reward", "eval/perplexity",
+                "eval/perplexity_paper", "eval/num_prompts", "time/elapsed"]
 
 
 def read_metrics(output_dir: str) -> tuple[list, list]:
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
-    return [r for r in records if "loss/dpo" in r], [r for r in records if "eval/win_rate" in r]
+    return [r for r in records if "loss/dpo" in r], [r for r in records if "eval/proxy_win_rate" in r]
 
 
 def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
@@ -36,9 +37,12 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     assert gaps[0] < 1e-4 and sorted(gaps[1:])[len(gaps) // 2] > 1e-3
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60]
     assert all(set(EVAL_METRICS) <= set(r) and len(r["eval/samples"]) == 3 for r in evals)
+    # 64 validation prompts during training; the final evaluation takes the whole split
+    assert [r["eval/num_prompts"] for r in evals] == [64] * 4 + [256]
+    assert [r["episode"] for r in evals] == [0, 480, 960, 1440, 1920]
     # Rewards rise: on held-out prompts and in training
-    assert evals[-1]["eval/reward"] > evals[0]["eval/reward"] + 0.1
-    assert evals[-1]["eval/win_rate"] > evals[0]["eval/win_rate"]
+    assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"] + 0.1
+    assert evals[-1]["eval/proxy_win_rate"] > evals[0]["eval/proxy_win_rate"]
     first, last = (sum(r["reward/mean"] for r in rs) / len(rs) for rs in (steps[:10], steps[-10:]))
     assert last > first + 0.05
     # Saved model loads; the wandb run was written offline
@@ -47,7 +51,11 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "model")
     AutoTokenizer.from_pretrained(out / "model")
     assert glob.glob(str(out / "wandb" / "offline-run-*" / "*.wandb"))
-    assert "eval @ step 60" in result.stderr + result.stdout
+    # The console shows the run, the progress and the evaluations; vLLM's own log went to a file
+    console = result.stderr + result.stdout
+    assert "eval @ step 60" in console
+    assert "WARNING" not in console and "Failed to load weights" not in console, console[:3000]
+    assert "Failed to load weights" in (out / "generator.log").read_text()
 
 
 SHORT_RUN = ("--total_episodes", "192", "--eval_every", "3", "--num_eval_prompts", "16")
@@ -56,8 +64,10 @@ SHORT_RUN = ("--total_episodes", "192", "--eval_every", "3", "--num_eval_prompts
 @pytest.fixture(scope="module")
 def single_process_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
     out = tmp_path_factory.mktemp("single")
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN)
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN, "--verbose")
     assert result.returncode == 0, result.stderr[-3000:]
+    # --verbose: vLLM's log on the console instead of in a file
+    assert "vllm" in result.stderr.lower() and not (out / "generator.log").exists()
     return read_metrics(str(out))
 
 
@@ -77,7 +87,7 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
     single_steps, single_evals = single_process_run
     for key in ("reward/mean", "loss/dpo", "logps/chosen"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3)
-    assert [r["eval/win_rate"] for r in evals] == [r["eval/win_rate"] for r in single_evals]
+    assert [r["eval/proxy_win_rate"] for r in evals] == [r["eval/proxy_win_rate"] for r in single_evals]
     if sharding == "fsdp":  # the full weights were gathered from the shards and saved
         from transformers import AutoModelForCausalLM
 

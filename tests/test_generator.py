@@ -34,9 +34,11 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     engine = dict(model=sft, dtype="float32", seed=1, enforce_eager=True, max_model_len=320,
                   kv_cache_memory_bytes=2**25)
     generator = ctx.Process(target=async_dpo.generator_main,
-                            args=(engine, buffer, table, requests, results, None, tempfile.mkdtemp()))
+                            args=(engine, buffer, table, requests, results, None, tempfile.mkdtemp(), None))
     generator.start()
     try:
+        assert async_dpo.receive(results, generator)["kind"] == "ready"
+
         def generate(version: int) -> dict:
             async_dpo.send(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
                                           temperature=0.0, max_tokens=12), generator)

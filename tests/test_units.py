@@ -4,25 +4,31 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import async_dpo
 from async_dpo import (
     Args,
+    collate,
     compute_batch_sizes,
     dpo_loss,
+    episodes_at,
+    eval_record,
+    evaluate,
     get_reward,
-    left_pad,
+    load_reward_model,
     make_weight_buffer,
-    pad_responses,
+    prepare_policy,
     select_pairs,
     sequence_logprobs,
+    truncate_at_eos,
     weight_table,
     weights_from_buffer,
     write_weight_snapshot,
 )
 
 EOS, PAD = 0, 0
+CPU = torch.device("cpu")
 
 
 def test_dpo_loss_matches_formula_and_prefers_the_chosen_response():
@@ -37,12 +43,19 @@ def test_dpo_loss_matches_formula_and_prefers_the_chosen_response():
     assert (chosen.grad < 0).all()  # gradient descent raises the chosen log-prob
 
 
-def test_pad_responses_cuts_after_first_eos_and_flags_missing_eos():
-    ids, mask, has_eos = pad_responses([[5, 6, EOS, 7, EOS], [5, 6, 7, 8, 9, 10], [EOS]], length=5, eos_id=EOS,
-                                       pad_id=99)
-    assert ids.tolist() == [[5, 6, EOS, 99, 99], [5, 6, 7, 8, 9], [EOS, 99, 99, 99, 99]]
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert has_eos.tolist() == [True, False, True]
+def test_truncate_at_eos_cuts_after_the_first_eos_and_flags_missing_eos():
+    cut, has_eos = truncate_at_eos([[5, 6, EOS, 7, EOS], [5, 6, 7, 8, 9, 10], [EOS]], length=5, eos_id=EOS)
+    assert cut == [[5, 6, EOS], [5, 6, 7, 8, 9], [EOS]]
+    assert has_eos == [True, False, True]
+
+
+def test_collate_pads_each_micro_batch_to_its_own_longest():
+    inputs, response_mask = collate([[1, 2], [3, 4, 5]], [[6], [7, 8]], pad_id=99, device=CPU)
+    assert inputs["input_ids"].tolist() == [[99, 1, 2, 6, 99], [3, 4, 5, 7, 8]]  # 3 prompt + 2 response columns
+    assert inputs["attention_mask"].tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert inputs["position_ids"].tolist()[0][1:4] == [0, 1, 2]  # positions skip the left padding
+    assert response_mask.tolist() == [[1, 0], [1, 1]]
+    assert inputs["use_cache"] is False
 
 
 def test_select_pairs_takes_best_and_worst_and_masks_ties():
@@ -54,8 +67,6 @@ def test_select_pairs_takes_best_and_worst_and_masks_ties():
 
 
 def _encode(tiny_dir, texts):
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(tiny_dir, "sft"))
     return tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
@@ -64,10 +75,8 @@ def test_sequence_logprobs_are_temperature_scaled_and_ignore_padding(tiny_dir):
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
     tokenizer, prompts = _encode(tiny_dir, ["SUBREDDIT: r/cats\n\nTITLE: my cat\n\nTL;DR:", "POST: hi\n\nTL;DR:"])
     responses = [[5, 6, 7, tokenizer.eos_token_id], [8, 9]]
-    query_ids, query_mask = left_pad(prompts, tokenizer.eos_token_id)
-    response_ids, response_mask, _ = pad_responses(responses, 6, tokenizer.eos_token_id, tokenizer.eos_token_id)
     with torch.no_grad():
-        batched, counts = sequence_logprobs(policy, query_ids, query_mask, response_ids, response_mask, 0.7)
+        batched, counts = sequence_logprobs(policy, *collate(prompts, responses, tokenizer.eos_token_id, CPU), 0.7)
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
             logits = policy(torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
             expected = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(response)[:, None]).sum()
@@ -76,12 +85,10 @@ def test_sequence_logprobs_are_temperature_scaled_and_ignore_padding(tiny_dir):
 
 
 def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_dir):
-    reward_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(tiny_dir, "reward"))
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "reward"), torch.float32, CPU)
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: a long title here\n\nTL;DR:", "TL;DR:"])
     eos = tokenizer.eos_token_id
-    query_ids, query_mask = left_pad(prompts, eos)
-    response_ids, response_mask, has_eos = pad_responses([[5, eos], [6, 7, 8]], 5, eos, eos)
-    scores = get_reward(reward_model, query_ids, query_mask, response_ids, response_mask, has_eos, -7.0)
+    scores = get_reward(reward_model, *collate(prompts, [[5, eos], [6, 7, 8]], eos, CPU), [True, False], -7.0)
     with torch.no_grad():  # the model's own score for the unpadded sequence, read at its last token
         hidden = reward_model.gpt_neox(torch.tensor([prompts[0] + [5, eos]])).last_hidden_state
         expected = reward_model.score(hidden[0, -1])
@@ -89,11 +96,82 @@ def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_di
     assert scores[1] == -7.0
 
 
-def test_batch_size_arithmetic():
+def test_reward_head_scores_in_float32_under_bfloat16(tiny_dir):
+    """The backbone may run in bfloat16, but close scores must not round to the same bfloat16 value (false ties)."""
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "reward"), torch.bfloat16, CPU)
+    assert reward_model.score.weight.dtype == torch.float32
+    tokenizer, prompts = _encode(tiny_dir, [f"TITLE: post number {i}\n\nTL;DR:" for i in range(16)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = get_reward(reward_model, *collate(prompts, [[5, 6]] * 16, tokenizer.eos_token_id, CPU), [True] * 16,
+                            None)
+    assert scores.dtype == torch.float32
+    assert (scores.bfloat16().float() != scores).any()  # more precision than bfloat16 has
+
+
+def test_a_checkpoint_without_a_trained_score_head_is_refused(tiny_dir, capsys):
+    with pytest.raises(SystemExit):
+        load_reward_model("reward_model_path", os.path.join(tiny_dir, "sft"), torch.float32, CPU)
+    err = capsys.readouterr().err
+    assert "--reward_model_path" in err and "score" in err
+
+
+def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir):
+    tokenizer, prompts = _encode(tiny_dir, ["TITLE: my dog ate my homework\n\nTL;DR:"])
+    inputs = collate(prompts * 2, [[5, 6, 7], [8, 9]], tokenizer.eos_token_id, CPU)
+    gradients, forward_calls = [], []
+    for checkpointing in (False, True):
+        policy = prepare_policy(AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft")), checkpointing)
+        assert policy.training
+        calls = []
+        # a pre-hook: the recomputation stops early, once it has what backward needs, so a post-hook may not fire
+        policy.gpt_neox.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        sequence_logprobs(policy, *inputs, 0.7)[0].sum().backward()
+        gradients.append([p.grad for p in policy.parameters()])
+        forward_calls.append(len(calls))
+    assert forward_calls == [1, 2]  # with checkpointing, the backward pass recomputes the block
+    for without, with_ in zip(*gradients):
+        torch.testing.assert_close(without, with_, atol=1e-5, rtol=1e-4)
+
+
+def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perplexities(tiny_dir):
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "reward"), torch.float32, CPU)
+    sft = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
+    tokenizer, prompts = _encode(tiny_dir, ["TITLE: my cat\n\nTL;DR:", "TITLE: my job\n\nTL;DR:"])
+    eos = tokenizer.eos_token_id
+    responses = [[5, 6, eos], [7, 8, 9, 10]]  # the second never ends
+    args = Args(missing_eos_penalty=-3.0, eval_response_length=4, per_device_train_batch_size=1)
+    references = {"proxy": torch.tensor([0.0, 0.0]), "gold": torch.tensor([0.0, 0.0])}
+    sums = evaluate(responses, prompts, references, {"proxy": reward_model, "gold": reward_model}, sft, args, eos,
+                    eos, CPU)
+    raw = get_reward(reward_model, *collate(prompts, responses, eos, CPU), [True, False], None).detach()
+    assert sums["proxy_reward"] == pytest.approx(raw[0].item() - 3.0, abs=1e-5)
+    assert sums["gold_reward"] == pytest.approx(raw.sum().item(), abs=1e-5)
+    logps, counts = sequence_logprobs(sft, *collate(prompts, responses, eos, CPU), 1.0)
+    paper = torch.exp(-logps / (torch.tensor([len(p) for p in prompts]) + counts)).sum().item()
+    assert sums["paper_perplexity"] == pytest.approx(paper, rel=1e-5)
+    record = eval_record(sums, 0, args)
+    assert record["eval/perplexity"] == pytest.approx(math.exp(-logps.sum().item() / 7), rel=1e-5)
+    assert record["eval/perplexity_paper"] == pytest.approx(paper / 2, rel=1e-5)
+    assert record["eval/perplexity_paper"] < record["eval/perplexity"]  # the prompt tokens dilute the NLL
+
+
+def test_eval_record_gives_win_rates_with_their_standard_errors():
+    sums = dict(count=400, eos=400, proxy_wins=300, proxy_reward=40.0, gold_wins=100, gold_reward=-20.0, logp=-80.0,
+                tokens=800, paper_perplexity=420.0)
+    record = eval_record(sums, 0, Args())
+    assert record["eval/proxy_win_rate"] == 0.75 and record["eval/gold_win_rate"] == 0.25
+    assert record["eval/gold_win_rate_stderr"] == pytest.approx(math.sqrt(0.25 * 0.75 / 400))
+    assert record["eval/gold_reward"] == -0.05 and record["eval/perplexity"] == pytest.approx(math.exp(0.1))
+
+
+def test_batch_size_arithmetic_and_episodes_count_prompts_consumed():
     args = Args(batch_size=512, per_device_train_batch_size=8, num_mini_batches=2, num_epochs=3, total_episodes=131072)
     compute_batch_sizes(args, world_size=4)
     assert (args.local_batch_size, args.gradient_accumulation_steps) == (128, 16)
     assert (args.num_rounds, args.num_steps) == (128, 128 * 2 * 3)
+    # A round: 2 mini-batches of 512 prompts, 3 epochs over them -> 6 steps that consume 1024 prompts
+    assert [episodes_at(step, args) for step in range(8)] == [0, 512, 1024, 1024, 1024, 1024, 1024, 1536]
+    assert episodes_at(args.num_steps, args) == args.total_episodes
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -103,6 +181,8 @@ def test_batch_size_arithmetic():
     (dict(response_length=0), "--response_length"),
     (dict(total_episodes=100), "--total_episodes"),
     (dict(vllm_gpu_memory_utilization=1.5), "--vllm_gpu_memory_utilization"),
+    (dict(num_final_eval_prompts=2), "--num_final_eval_prompts"),
+    (dict(eval_temperature=0.0), "--eval_temperature"),
 ])
 def test_batch_size_arithmetic_rejects_bad_values(overrides, message, capsys):
     with pytest.raises(SystemExit):
@@ -113,7 +193,7 @@ def test_batch_size_arithmetic_rejects_bad_values(overrides, message, capsys):
 def test_weight_snapshot_is_independent_of_the_optimizer(tiny_dir):
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
     table = weight_table(policy)
-    buffer = make_weight_buffer(table, torch.float32, torch.device("cpu"))
+    buffer = make_weight_buffer(table, torch.float32, CPU)
     assert buffer.is_shared()
     write_weight_snapshot(policy, buffer, table)
     snapshot = buffer.clone()
