@@ -712,7 +712,7 @@ if __name__ == "__main__":
     progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
     try:
         if shares_gpu0:
-            collect()  # the engine is built and has taken its share of GPU 0
+            collect()  # the engine's "ready": it has measured GPU 0's free memory and taken its share
 
         # Models: the policy trains in float32 (under autocast on GPU); the frozen models are loaded in `dtype`
         tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
@@ -753,6 +753,8 @@ if __name__ == "__main__":
         passes = -(-args.num_rounds * prompts_per_round // len(train_prompts))
         prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])
         rounds = prompt_order[: args.num_rounds * prompts_per_round].reshape(args.num_rounds, prompts_per_round)
+        L, M = args.local_batch_size, args.per_device_train_batch_size
+        local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # mine
         num_final = min(args.num_final_eval_prompts or len(eval_data), len(eval_data)) // args.world_size
         eval_data = eval_data.select(range(num_final * args.world_size))
         num_eval = min(args.num_eval_prompts, len(eval_data)) // args.world_size * args.world_size
@@ -767,7 +769,7 @@ if __name__ == "__main__":
                                                   args.per_device_train_batch_size * K, pad_id, device)
                             for name, model in reward_models.items()}
         if not shares_gpu0:
-            collect()  # the engine was built while we loaded our models
+            collect()  # the engine's "ready": it was built while we loaded our models
         training_start = None
 
         def run_evaluation(message: dict) -> None:
@@ -811,8 +813,6 @@ if __name__ == "__main__":
 
         # Training loop. version = optimizer steps taken = the version of the policy's weights
         version = synced_version = last_eval = 0  # the generator starts with version 0, the SFT weights
-        L, M = args.local_batch_size, args.per_device_train_batch_size
-        local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # mine
         submit(train_request(0, version, [train_prompts[i] for i in rounds[0]], args))
         for round_index in range(args.num_rounds):
             round_start = time.time()
@@ -825,12 +825,12 @@ if __name__ == "__main__":
             if version != synced_version:
                 write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
                 synced_version = version
-            if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
-                last_eval = version
-                submit(eval_request(version, eval_prompts[:num_eval], args))
             if round_index + 1 < args.num_rounds:
                 submit(train_request(round_index + 1, version, [train_prompts[i] for i in rounds[round_index + 1]],
                                      args))
+            if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
+                last_eval = version  # generated after the training batch: it never delays the learner
+                submit(eval_request(version, eval_prompts[:num_eval], args))
             weight_sync_time = time.time() - sync_start
 
             # Score every completion of this rank's prompts; the best and worst of each prompt's K form its pair

@@ -19,7 +19,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overlap import Args as OverlapArgs  # noqa: E402
-from overlap import async_dpo, mean, run_pipeline  # noqa: E402
+from overlap import mean, run_pipeline, tiny_world  # noqa: E402
 
 
 @dataclass
@@ -38,25 +38,25 @@ CONFIGS = {  # name: (script, extra flags). No EOS penalty: the untrained model 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    model_dir = async_dpo.build_tiny_assets(os.path.expanduser(args.cache_dir), hidden_size=args.hidden_size,
-                                            num_layers=args.num_layers, sft_steps=0)
+    model = tiny_world.build_tldr(args.cache_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                                  sft_steps=0)
     runs = {}
     for name, (script, extra) in CONFIGS.items():
         with tempfile.TemporaryDirectory() as output_dir:
             print(f"running {name} ...", flush=True)
-            runs[name] = run_pipeline(script, model_dir, os.path.join(model_dir, "data"), args, output_dir, *extra)
+            runs[name] = run_pipeline(script, *model, args, output_dir, *extra)
 
     summary = {}
     print(f"\n{'run':<10} {'generation':>10} {'training':>9} {'step':>7} {'reward(last 10)':>15} {'eval reward':>11} "
           f"{'eval win rate':>13}")
     for name, records in runs.items():
         steps = [r for r in records if "time/step" in r][args.warmup_steps:]
-        evals = [r for r in records if "eval/win_rate" in r]
+        evals = [r for r in records if "eval/proxy_win_rate" in r]
         summary[name] = dict(generation=mean([r["time/generation"] for r in steps]),
                              training=mean([r["time/training"] for r in steps]),
                              step=mean([r["time/step"] for r in steps]),
                              reward=mean([r["reward/mean"] for r in records if "reward/mean" in r][-10:]),
-                             eval_reward=evals[-1]["eval/reward"], win_rate=evals[-1]["eval/win_rate"])
+                             eval_reward=evals[-1]["eval/proxy_reward"], win_rate=evals[-1]["eval/proxy_win_rate"])
         s = summary[name]
         print(f"{name:<10} {s['generation']:>9.3f}s {s['training']:>8.3f}s {s['step']:>6.3f}s {s['reward']:>15.3f}"
               f" {s['eval_reward']:>11.3f} {s['win_rate']:>13.3f}")

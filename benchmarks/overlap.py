@@ -19,7 +19,7 @@ import tyro
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import async_dpo  # noqa: E402
+import tiny_world  # noqa: E402
 
 
 @dataclass
@@ -42,15 +42,16 @@ class Args:
     """where the benchmark's model is built once"""
 
 
-def run_pipeline(script: str, model_dir: str, data_dir: str, args: Args, output_dir: str, *extra: str) -> list[dict]:
+def run_pipeline(script: str, sft: str, reward: str, data: str, args: Args, output_dir: str, *extra: str) -> list:
     """Run one of the DPO scripts on the benchmark model; return its records (steps and evaluations)."""
-    command = [sys.executable, os.path.join(REPO, script), "--model", "tiny", "--sft_model_path",
-               os.path.join(model_dir, "sft"), "--reward_model_path", os.path.join(model_dir, "reward"), "--dataset",
-               data_dir, "--batch_size", str(args.batch_size), "--per_device_train_batch_size", str(args.batch_size),
-               "--response_length", str(args.response_length),
+    command = [sys.executable, os.path.join(REPO, script), "--model", "tiny", "--sft_model_path", sft,
+               "--reward_model_path", reward, "--dataset", data, "--batch_size", str(args.batch_size),
+               "--per_device_train_batch_size", str(args.batch_size), "--response_length", str(args.response_length),
                "--max_prompt_length", str(args.max_prompt_length),
                "--total_episodes", str(args.steps * args.batch_size),
-               "--eval_every", "0", "--num_eval_prompts", "64", "--output_dir", output_dir, *extra]
+               # evaluations only before the clock starts and after the last step: never inside the timed steps
+               "--eval_every", "0", "--num_eval_prompts", "64", "--num_final_eval_prompts", "64",
+               "--output_dir", output_dir, *extra]
     subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
 
@@ -61,10 +62,10 @@ def mean(values: list) -> float:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    model_dir = async_dpo.build_tiny_assets(os.path.expanduser(args.cache_dir), hidden_size=args.hidden_size,
-                                            num_layers=args.num_layers, sft_steps=0)
+    sft, reward, data = tiny_world.build_tldr(args.cache_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                                              sft_steps=0)
     with tempfile.TemporaryDirectory() as output_dir:
-        records = run_pipeline("async_dpo.py", model_dir, os.path.join(model_dir, "data"), args, output_dir)
+        records = run_pipeline("async_dpo.py", sft, reward, data, args, output_dir)
     steps = [r for r in records if "time/step" in r]
     steady = steps[args.warmup_steps:]
     print(f"{'step':>4} {'generation':>10} {'weight_load':>11} {'training':>9} {'weight_sync':>11} {'wait':>6} "

@@ -17,7 +17,7 @@ def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path, backend):
     assert [r["staleness"] for r in steps] == [0] * 20  # generated with the very weights being trained
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
     assert [r["step"] for r in evals] == [0, 10, 20] and all(set(EVAL_METRICS) <= set(r) for r in evals)
-    assert evals[-1]["eval/reward"] > evals[0]["eval/reward"] + 0.05
+    assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"] + 0.05
     if backend == "vllm":  # the learner really waits for generation: nothing overlaps
         assert all(r["time/learner_wait"] >= 0.8 * r["time/generation"] for r in steps[1:])
         # on-policy to the last bit: vLLM's log-probs of the pairs match the learner's at every step
