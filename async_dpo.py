@@ -3,6 +3,7 @@
 # weights produced. Walkthrough and diagram: README.md. Demo on CPU: `python async_dpo.py --model tiny`.
 import contextlib
 import ctypes
+import gc
 import json
 import math
 import os
@@ -38,8 +39,8 @@ PRESETS = {  # --model: (SFT policy, proxy reward model, dataset) on the Hugging
 }
 # `--model tiny` swaps in defaults that train a locally built toy model on 2 CPU cores in a few minutes.
 TINY_DEFAULTS = dict(
-    learning_rate=3e-4, response_length=24, max_prompt_length=96, total_episodes=1920, batch_size=32,
-    per_device_train_batch_size=16, eval_every=15, num_eval_prompts=64, eval_response_length=24,
+    learning_rate=1e-4, response_length=16, max_prompt_length=64, total_episodes=1920, batch_size=32,
+    per_device_train_batch_size=16, eval_every=15, num_eval_prompts=128, eval_response_length=16,
 )
 
 
@@ -64,7 +65,7 @@ class Args:
 
     # Models and data
     model: Literal["tiny", "pythia-410m", "pythia-1b", "pythia-2.8b"] = "pythia-2.8b"
-    """preset naming the SFT policy, proxy reward model and dataset; `tiny` builds a toy set locally for CPU"""
+    """preset naming the SFT policy, proxy reward model and dataset; `tiny` builds a toy world locally for CPU"""
     sft_model_path: Optional[str] = None
     """SFT policy (hub name or local folder); also the frozen reference model. Overrides the preset"""
     reward_model_path: Optional[str] = None
@@ -72,8 +73,8 @@ class Args:
     dataset: Optional[str] = None
     """prompts with `query` and `reference_response` columns (hub name, local folder or file). Overrides the preset"""
     gold_reward_model_path: Optional[str] = None
-    """optional gold reward model, used only in evaluation (must share the policy's tokenizer)"""
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v2"
+    """gold reward model, used only in evaluation (must share the policy's tokenizer); `tiny` has its own"""
+    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
     """where `--model tiny` builds (once) and caches its toy models, tokenizer and dataset"""
 
     # Algorithm specific arguments (paper defaults for TL;DR)
@@ -118,18 +119,15 @@ class Args:
 
     # Systems
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """vLLM, reference and reward model dtype, and the learner's autocast dtype (default: bfloat16 on GPU, float32
-    on CPU). The policy's master weights stay float32"""
+    """vLLM, reference and reward model dtype, the learner's autocast dtype (default: bfloat16 on GPU, else float32)"""
     gradient_checkpointing: Optional[bool] = None
-    """recompute activations in the backward pass instead of storing them (default: on for the hub presets, which
-    need it to fit one GPU; off for tiny)"""
+    """recompute activations in the backward pass instead of storing them (default: on, but off for tiny)"""
     vllm_gpu_memory_utilization: float = 0.9
     """fraction of GPU 0's memory vLLM may use (lower it when the learner shares that GPU)"""
     generator_cores: int = 1
     """CPU runs only: cores reserved for the generator; the learner gets the rest"""
     fsdp: bool = False
-    """under torchrun, shard the policy, reference and reward models over the learners with FSDP2 instead of
-    replicating the policy with DDP (for models that do not fit one GPU)"""
+    """under torchrun, shard all models over the learners with FSDP2 instead of replicating the policy with DDP"""
 
     # to be filled in at runtime
     run_name: str = ""
@@ -205,22 +203,17 @@ def episodes_at(step: int, args: Args) -> int:
 def load_prompt_splits(dataset: str, seed: int):
     """Load train and validation splits from a hub name, a local folder of split files, or a single local file
     (then 5% is held out for evaluation). Rejects data without the `query`/`reference_response` columns."""
-    from datasets import load_dataset
-
+    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(os.path.splitext(dataset)[1])
+    if os.path.isfile(dataset) and kind is None:
+        fail(f"--dataset {dataset}: unsupported file type (use .jsonl, .json, .parquet or .csv)")
+    if not os.path.exists(dataset) and ("/" not in dataset or dataset.startswith((".", "/", "~"))):
+        fail(f"--dataset {dataset}: no such file or folder")
     try:
         if os.path.isfile(dataset):
-            kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
-                os.path.splitext(dataset)[1])
-            if kind is None:
-                fail(f"--dataset {dataset}: unsupported file type (use .jsonl, .json, .parquet or .csv)")
-            splits = load_dataset(kind, data_files=dataset)["train"].train_test_split(test_size=0.05, seed=seed)
-            splits = {"train": splits["train"], "validation": splits["test"]}
-        elif os.path.isdir(dataset) or "/" in dataset and not dataset.startswith((".", "/", "~")):
-            splits = load_dataset(dataset)
+            split = datasets.load_dataset(kind, data_files=dataset)["train"].train_test_split(0.05, seed=seed)
+            splits = {"train": split["train"], "validation": split["test"]}
         else:
-            fail(f"--dataset {dataset}: no such file or folder")
-    except SystemExit:
-        raise
+            splits = datasets.load_dataset(dataset)
     except Exception as e:  # offline hub names, unreadable files
         fail(f"--dataset {dataset}: could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     for split in ("train", "validation"):
@@ -597,7 +590,7 @@ def evaluate(responses: list, prompts: list, reference_scores: dict, reward_mode
 
 
 def eval_record(sums: dict, step: int, args: Args) -> dict:
-    n = sums["count"]
+    n = int(sums["count"])
     record = {"step": step, "episode": episodes_at(step, args), "eval/num_prompts": n,
               "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)),
               "eval/perplexity_paper": sums["paper_perplexity"] / n, "eval/eos_fraction": sums["eos"] / n}
@@ -628,9 +621,14 @@ if __name__ == "__main__":
     compute_batch_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    sft, reward, data = tiny_world.build_tldr(args.tiny_dir) if args.model == "tiny" else PRESETS[args.model]
+    # The tiny world has a gold reward model for evaluation (the paper's 6.9B one is optional on GPUs: 13 GB more).
+    # A run that names its own models and data does not need the tiny world built.
+    if args.model == "tiny" and None in (args.sft_model_path, args.reward_model_path, args.dataset):
+        sft, reward, data, gold = tiny_world.build_tldr(args.tiny_dir)
+    else:
+        sft, reward, data, gold = *PRESETS.get(args.model, (None, None, None)), None
     args.sft_model_path, args.reward_model_path = args.sft_model_path or sft, args.reward_model_path or reward
-    args.dataset = args.dataset or data
+    args.dataset, args.gold_reward_model_path = args.dataset or data, args.gold_reward_model_path or gold
     for flag in ("sft_model_path", "reward_model_path", "gold_reward_model_path"):
         if getattr(args, flag):
             check_model_path(flag, getattr(args, flag))
@@ -829,7 +827,7 @@ if __name__ == "__main__":
                 submit(train_request(round_index + 1, version, [train_prompts[i] for i in rounds[round_index + 1]],
                                      args))
             if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
-                last_eval = version  # generated after the training batch: it never delays the learner
+                last_eval = version  # queued behind the training batch, which is never generated after it
                 submit(eval_request(version, eval_prompts[:num_eval], args))
             weight_sync_time = time.time() - sync_start
 
@@ -928,4 +926,8 @@ if __name__ == "__main__":
             if args.track:
                 wandb.finish()
         if args.world_size > 1 and dist.is_initialized():
+            # DDP's and FSDP's state holds the process group: free them first, so that the group is torn down while
+            # all it uses is alive (else a gloo thread can abort the process at exit, now and then)
+            policy = unwrapped_policy = ref_policy = reward_models = optimizer = scheduler = None
+            gc.collect()
             dist.destroy_process_group()

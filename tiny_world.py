@@ -1,7 +1,23 @@
-"""The toy worlds that `--model tiny` runs on: built locally, once, on a CPU in a few minutes, so that the tests and
-the demo take the same code path as a real run on the Hugging Face hub's models and data.
+"""The toy world that `--model tiny` runs on: the paper's TL;DR protocol in miniature, built locally, once, on a CPU
+in a few minutes, so that the tests and the demo take the same code path as a real run with the hub's models.
 
-Building toy data is not part of any algorithm, so every script imports it from here.
+The paper: a 6.9B gold reward model trained on human preferences relabels the preference data, smaller proxy reward
+models are trained on those labels, RL optimises the proxy, and the gold model's win rate against the human
+reference summaries judges the result. Here, the same steps at toy scale:
+
+1. A gold judge written in code (`judge`), the ground truth of this world: a summary scores +1 for each topic word
+   of its post's subreddit, -0.5 for any other word, -1 more for each word past the fourth, and -3 if it never ends.
+2. Data in the hub's TL;DR format: posts of 2-4 topic words of their subreddit (each twice) among other subreddits'
+   words and fillers; reference summaries that are decent but beatable (`K K the`, `K the K K`, `K K K the`).
+3. An SFT policy (Pythia architecture, 0.5M parameters) trained on the reference summaries, picked among a few
+   seeds so that its near-greedy summaries lose to the references most of the time.
+4. A gold reward model, the SFT backbone with a score head, trained with Bradley-Terry on candidates labelled by
+   the judge: it plays the paper's 6.9B gold model (`--gold_reward_model_path`).
+5. A proxy reward model trained with Bradley-Terry on fewer pairs labelled by the gold model: decent but imperfect,
+   which is what makes reward over-optimisation possible. It is the `--reward_model_path` of `--model tiny`.
+
+Building toy worlds is not part of any algorithm, so every script imports it from here. `world.json` in the built
+folder records the measured agreements and win rates.
 """
 import contextlib
 import json
@@ -9,108 +25,434 @@ import os
 import random
 import shutil
 import tempfile
+import time
 
 import torch
+import torch.nn.functional as F
+
+TOPICS = {  # subreddit: its 8 topic words
+    "relationships": "girlfriend boyfriend date love wedding breakup trust partner",
+    "personalfinance": "money rent budget loan debt savings bank credit",
+    "tifu": "accident mistake oops broke spilled forgot embarrassing fail",
+    "jobs": "boss interview salary manager promotion coworker resume office",
+    "dogs": "puppy leash bark walk vet fetch treat collar",
+    "cats": "kitten litter meow purr scratch claws catnip whiskers",
+    "college": "exam class professor dorm grades major lecture campus",
+    "AskReddit": "question advice opinion story weird reddit thoughts curious",
+}
+TOPICS = {subreddit: words.split() for subreddit, words in TOPICS.items()}
+FILLERS = "the and a so then just really very about with my it was is that this".split()
+EOS = "<|endoftext|>"
+REFERENCE_PATTERNS = ["K K the", "K the K K", "K K K the"]  # judge scores 1.5, 2.5, 2.5 of a possible 4
+SFT_WIN_RATE_RANGE = (0.2, 0.4)  # the SFT seed is chosen so that its gold win rate lands here (target: 0.15-0.45)
+PROXY_AGREEMENT = 0.8  # the proxy trains until it orders this share of held-out pairs as the gold model does
+
+
+def judge(query: str, summary: str, has_eos: bool) -> float:
+    """The gold truth of this world: +1 for each topic word of the post's subreddit (repeats count), -0.5 for any
+    other word, -1 more for each word past the fourth, and -3 for a summary without EOS."""
+    topics = TOPICS[query.split("\n")[0].removeprefix("SUBREDDIT: r/")]
+    words = summary.replace(EOS, " ").split()
+    return sum(1.0 if w in topics else -0.5 for w in words) - max(len(words) - 4, 0) - (0.0 if has_eos else 3.0)
+
+
+def make_example(rng: random.Random) -> dict:
+    """One TL;DR-shaped row: `query` and `reference_response` (leading space, EOS text appended) as on the hub."""
+    subreddit = rng.choice(list(TOPICS))
+    own = rng.sample(TOPICS[subreddit], rng.randint(2, 4))
+    others = [rng.choice(TOPICS[s]) for s in rng.sample([s for s in TOPICS if s != subreddit], rng.randint(3, 5))]
+    words = own * 2 + others + rng.choices(FILLERS, k=rng.randint(4, 8))
+    rng.shuffle(words)
+    title, post = " ".join(rng.sample(words, 3)), " ".join(words) + "."
+    summary = " ".join(rng.choice(own) if w == "K" else w for w in rng.choice(REFERENCE_PATTERNS).split())
+    query = f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+    return dict(query=query, reference_response=f" {summary}{EOS}", subreddit=subreddit, title=title, post=post,
+                summary=summary)
 
 
 @contextlib.contextmanager
-def deterministic_build(seed: int):
-    """One thread, deterministic kernels, fixed seeds: the same world on every run of one machine (floating point
-    still differs between CPU models, so the build is also checked against targets rather than trusted blindly)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def deterministic(seed: int):
+    """Two threads on every machine, deterministic kernels, fixed seeds: the same world on every run of one machine.
+    (Floating point differs between CPU models and thread counts, and it changes which SFT seed lands in range,
+    which is why the build measures its targets instead of trusting a seed.)"""
+    threads, was_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(2)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(seed)
     try:
         yield random.Random(seed)
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(was_deterministic)
         torch.set_num_threads(threads)
 
 
-def build_tldr(tiny_dir: str, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-               sft_steps: int = 150) -> tuple[str, str, str]:
-    """Build (once) a byte-level BPE tokenizer, a TL;DR-shaped dataset, a briefly SFT-trained Pythia-architecture
-    policy and a reward model (the SFT backbone with a random, fixed score head). Returns the SFT policy's, the
-    reward model's and the dataset's folders."""
+def build_tokenizer(texts: list[str], vocab_size: int = 1024):
+    """A byte-level BPE like Pythia's: EOS doubles as BOS, and there is no pad token (the scripts must cope)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS)
+    split = [w for w in [*FILLERS, *sum(TOPICS.values(), [])] if len(tokenizer.encode(" " + w)) != 1]
+    assert not split, f"the tiny tokenizer splits words the judge and the models rely on: {split}"
+    return tokenizer
+
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+
+def right_pad(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, sequences))
+    return (torch.tensor([s + [pad] * (width - len(s)) for s in sequences]),
+            torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences]))
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], eos_id: int, temperature: float, max_tokens: int) -> list[list[int]]:
+    """Completions (cut after EOS) with transformers' generate; temperature 0 is greedy."""
+    completions = []
+    for i in range(0, len(prompts), 128):
+        chunk = prompts[i: i + 128]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[eos_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, eos_token_id=eos_id,
+                             pad_token_id=eos_id, **sampling)
+        for row in out[:, width:].tolist():
+            completions.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
+    return completions
+
+
+def judge_tokens(tokenizer, query: str, tokens: list[int]) -> float:
+    has_eos = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
+    return judge(query, tokenizer.decode(tokens[:-1] if has_eos else tokens), has_eos)
+
+
+def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int):
+    """SFT on the summary tokens only (the prompt is masked): trained on whole sequences, a model this small spends
+    itself on modelling random posts and never learns to summarise."""
+    from transformers import GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    policy = GPTNeoXForCausalLM(config)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
+    for _ in range(steps):
+        batch = rng.sample(rows, 32)
+        queries, summaries = encode(tokenizer, [r["query"] for r in batch]), encode(
+            tokenizer, [r["reference_response"] for r in batch])
+        input_ids, mask = right_pad([q + s for q, s in zip(queries, summaries)], tokenizer.eos_token_id)
+        labels = torch.tensor([[-100] * len(q) + s + [-100] * (input_ids.shape[1] - len(q) - len(s))
+                               for q, s in zip(queries, summaries)])
+        policy(input_ids=input_ids, attention_mask=mask, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return policy.eval()
+
+
+def candidates(rng: random.Random, tokenizer, row: dict, samples: list[list[int]]) -> list[list[int]]:
+    """Summaries of one post to compare: the policy's samples, the reference, synthetic summaries of mixed words
+    (some without EOS) and one-word edits (a word replaced, inserted or dropped)."""
+    eos, topics = tokenizer.eos_token_id, TOPICS[row["subreddit"]]
+    others = [w for s, words in TOPICS.items() if s != row["subreddit"] for w in words]
+
+    def word() -> str:
+        return rng.choice(rng.choice([topics, topics, others, FILLERS]))
+
+    def tokens(words: list[str], ends: bool = True) -> list[int]:
+        return encode(tokenizer, [" " + " ".join(words)])[0] + [eos] * ends if words else [eos] * ends
+
+    reference = row["summary"].split()
+    pool = [*samples, tokens(reference)]
+    pool += [tokens([word() for _ in range(rng.randint(1, 6))], rng.random() < 0.85) for _ in range(3)]
+    for _ in range(2):
+        edited = list(reference)
+        position = rng.randrange(len(edited))
+        kind = rng.choice(["replace", "insert", "drop"])
+        if kind == "replace":
+            edited[position] = word()
+        elif kind == "insert":
+            edited.insert(position, word())
+        elif len(edited) > 1:
+            del edited[position]
+        pool.append(tokens(edited))
+    return pool
+
+
+def candidate_sets(rng: random.Random, policy, tokenizer, rows: list[dict]) -> list:
+    """(prompt, candidate summaries) of each post, two samples of `policy` at temperature 1 among them."""
+    prompts = encode(tokenizer, [r["query"] for r in rows])
+    samples = sample(policy, [p for p in prompts for _ in range(2)], tokenizer.eos_token_id, 1.0, 12)
+    return [(prompt, candidates(rng, tokenizer, row, samples[2 * i: 2 * i + 2]))
+            for i, (prompt, row) in enumerate(zip(prompts, rows))]
+
+
+def held_out_sets(policy, tokenizer, rows: list[dict]) -> list:
+    """The candidate sets of validation posts on which the build measures agreement, drawn with fixed seeds so
+    that a test can draw them again from the saved world."""
+    with deterministic(1) as rng:
+        return candidate_sets(rng, policy, tokenizer, rows)
+
+
+def reward_scores(model, prompts: list[list[int]], completions: list[list[int]], eos_id: int,
+                  every_position: bool = False) -> torch.Tensor:
+    """The reward model's score of completions[i] after prompts[i], read at its last token, in one batched forward
+    (prompts left-padded, so each completion starts at the same column). With every_position, the score of every
+    prefix (the prompt alone included) as a [completions, 1 + longest] tensor."""
+    width, longest = max(map(len, prompts)), max(map(len, completions))
+    ids = [[eos_id] * (width - len(p)) + p + c + [eos_id] * (longest - len(c)) for p, c in zip(prompts, completions)]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (longest - len(c))
+                         for p, c in zip(prompts, completions)])
+    hidden = model.gpt_neox(input_ids=torch.tensor(ids), attention_mask=mask,
+                            position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    scores = model.score(hidden).squeeze(-1)[:, width - 1:]
+    return scores if every_position else scores[torch.arange(len(completions)), [len(c) for c in completions]]
+
+
+@torch.no_grad()
+def score_sets(model, sets: list, eos_id: int) -> list[torch.Tensor]:
+    """Scores of each (prompt, candidates) set's candidates, one tensor per set."""
+    flat = [(prompt, c) for prompt, completions in sets for c in completions]
+    scores = torch.cat([reward_scores(model, *zip(*flat[i: i + 512]), eos_id) for i in range(0, len(flat), 512)])
+    return list(scores.split([len(completions) for _, completions in sets]))
+
+
+def pairwise_loss(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry over every pair whose targets differ: -log sigmoid(s_better - s_worse)."""
+    better = targets[:, None] > targets[None, :]
+    return F.softplus(scores[None, :] - scores[:, None])[better].mean() if better.any() else scores.sum() * 0
+
+
+def train_reward_model(config, sft_state: dict, groups: list, steps: int, per_step: int, lr: float, seed: int,
+                       dense: bool, good_enough=None):
+    """A sequence classifier from the SFT weights, trained with Bradley-Terry within each group. `groups` holds
+    (prompt tokens, completions, their target scores); with `dense`, (prompt, [(completion, the target score of each
+    of its prefixes)]): every prefix is compared too, which teaches the head the judge's whole shape from few posts.
+    `good_enough(model)`, checked every 25 steps, may stop the training early. Returns the model and its steps."""
+    from transformers import GPTNeoXForSequenceClassification
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = GPTNeoXForSequenceClassification(config)
+    model.gpt_neox.load_state_dict({k.removeprefix("gpt_neox."): v for k, v in sft_state.items()
+                                    if k.startswith("gpt_neox.")})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step in range(steps):
+        if good_enough is not None and step % 25 == 0 and step and good_enough(model):
+            break
+        batch = rng.sample(groups, per_step)
+        flat = [(prompt, c[0] if dense else c) for prompt, completions, _ in batch for c in completions]
+        scores = reward_scores(model, *zip(*flat), config.eos_token_id, every_position=dense)
+        losses, start = [], 0
+        for _, completions, targets in batch:
+            group = scores[start: start + len(completions)]
+            start += len(completions)
+            if dense:  # the prefixes of each completion, up to its own length
+                keep = torch.tensor([[j <= len(c) for j in range(group.shape[1])] for c, _ in completions])
+                group, targets = group[keep], [t for _, prefix_targets in completions for t in prefix_targets]
+            losses.append(pairwise_loss(group, torch.tensor(targets)))
+        torch.stack(losses).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval(), step
+
+
+@torch.no_grad()
+def normalise(model, held_out: list, eos_id: int) -> None:
+    """Scale and shift the scores to mean 0 and standard deviation 1 on held-out summaries: the scripts' missing-EOS
+    penalty (-1) is an absolute score, so the scale matters. The head has no bias, so the shift goes into the final
+    layer norm's bias along the head's weight (score = w.h, and w.(h + d) = score - mean for d = -mean w / |w|^2)."""
+    scores = torch.cat(score_sets(model, held_out, eos_id))
+    weight = model.score.weight[0]
+    model.gpt_neox.final_layer_norm.bias -= scores.mean() * weight / weight.dot(weight)
+    model.score.weight /= scores.std()
+
+
+def agreement(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    """Fraction of the pairs (within each post) that `second` orders strictly whose order `first` shares."""
+    agree = total = 0
+    for a, b in zip(first, second):
+        decided = (b[:, None] > b[None, :])
+        agree += (decided & (a[:, None] > a[None, :])).sum().item()
+        total += decided.sum().item()
+    return agree / total
+
+
+def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
+    """Build the world once (cached in `tiny_dir`); return the SFT policy's, the proxy reward model's, the dataset's
+    and the gold reward model's folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
-    paths = tuple(os.path.join(tiny_dir, name) for name in ("sft", "reward", "data"))
-    if os.path.exists(os.path.join(tiny_dir, "READY")):
+    paths = tuple(os.path.join(tiny_dir, name) for name in ("sft", "proxy", "data", "gold"))
+    if os.path.exists(os.path.join(tiny_dir, "world.json")):
         return paths
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        GPTNeoXForSequenceClassification,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import GPTNeoXConfig
 
     transformers.utils.logging.disable_progress_bar()
-    with deterministic_build(0) as rng:
-        words = ("cat dog house car work boss friend money rent roommate game phone girlfriend boyfriend school "
-                 "class exam teacher party food pizza coffee dinner weekend trip city job interview sister brother "
-                 "mom dad wedding apartment landlord neighbor bike gym advice help problem question fight love break "
-                 "late early happy sad angry tired week month year time night morning day plan idea moved quit "
-                 "asked told said wanted needed found lost bought sold paid called").split()
-        subreddits = ["relationships", "AskReddit", "personalfinance", "tifu", "jobs", "dogs", "cats", "college"]
+    started, report = time.time(), {}
+    with deterministic(0) as rng:
+        splits = {split: [make_example(rng) for _ in range(n)] for split, n in (("train", 4000), ("validation", 512))}
+        train, validation = splits["train"], splits["validation"]
+        tokenizer = build_tokenizer([r["query"] + r["reference_response"] for r in train])
+        eos = tokenizer.eos_token_id
+        config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=512, max_position_embeddings=512, bos_token_id=eos, eos_token_id=eos,
+                               num_labels=1)
+        val_prompts = encode(tokenizer, [r["query"] for r in validation])
+        val_references = encode(tokenizer, [r["reference_response"] for r in validation])
+        report["reference_judge_mean"] = sum(judge(r["query"], r["summary"], True) for r in validation) / 512
 
-        def example() -> dict:
-            title = " ".join(rng.choices(words, k=rng.randint(3, 7)))
-            post = " ".join(rng.choices(words, k=rng.randint(15, 45))) + "."
-            summary = " ".join(rng.sample(post[:-1].split(), k=rng.randint(3, 8)))
-            subreddit = rng.choice(subreddits)
-            query = f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
-            return dict(query=query, reference_response=f" {summary}<|endoftext|>", subreddit=subreddit,
-                        title=title, post=post, summary=summary)
+        def with_prefix_targets(row: dict, completions: list) -> list:
+            return [(c, [judge_tokens(tokenizer, row["query"], c[:j]) for j in range(len(c) + 1)])
+                    for c in completions]
 
-        parent = os.path.dirname(os.path.abspath(tiny_dir))
-        os.makedirs(parent, exist_ok=True)
-        build_dir = tempfile.mkdtemp(prefix=".building-", dir=parent)
-        splits = {"train": [example() for _ in range(4000)], "validation": [example() for _ in range(256)]}
-        os.makedirs(os.path.join(build_dir, "data"))
-        for split, rows in splits.items():
-            with open(os.path.join(build_dir, "data", f"{split}.jsonl"), "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+        # 4. The gold reward model, first: Bradley-Terry on judge labels, over whole candidates and all their
+        # prefixes, from a backbone of its own (an SFT run apart from the policy's, as the paper's gold model is
+        # a separate, larger model)
+        gold_backbone = train_sft(config, tokenizer, train, seed=100, steps=100)
+        gold_sets = [(prompt, with_prefix_targets(row, completions), None) for (prompt, completions), row
+                     in zip(candidate_sets(rng, gold_backbone, tokenizer, train[:2000]), train)]
+        gold, _ = train_reward_model(config, gold_backbone.state_dict(), gold_sets, steps=250, per_step=16, lr=3e-3,
+                                  seed=1, dense=True)
+        report["seconds_to_gold"] = round(time.time() - started, 1)
 
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        texts = [row["query"] + row["reference_response"] for row in splits["train"]]
-        bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                           show_progress=False))
-        # Like Pythia's: EOS doubles as BOS, and there is no pad token (the scripts must cope without one).
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
-                                            bos_token="<|endoftext|>")
-        config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                               num_attention_heads=num_heads, intermediate_size=4 * hidden_size,
-                               max_position_embeddings=512, bos_token_id=tokenizer.eos_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
-        policy = GPTNeoXForCausalLM(config)
-        # A short SFT on the reference summaries, so the policy writes summary-like text that ends with EOS.
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
-        for step in range(sft_steps):
-            rows = rng.sample(splits["train"], 32)
-            encoded = [tokenizer(r["query"] + r["reference_response"])["input_ids"] for r in rows]
-            width = max(len(e) for e in encoded)
-            input_ids = torch.tensor([e + [tokenizer.eos_token_id] * (width - len(e)) for e in encoded])
-            labels = torch.tensor([e + [-100] * (width - len(e)) for e in encoded])
-            loss = policy(input_ids=input_ids, labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        reward_config = GPTNeoXConfig.from_dict(config.to_dict())
-        reward_config.num_labels = 1
-        reward_model = GPTNeoXForSequenceClassification(reward_config)
-        reward_model.gpt_neox.load_state_dict(policy.gpt_neox.state_dict())
-        torch.nn.init.normal_(reward_model.score.weight, std=1.0 / hidden_size**0.5)
-    for name, model in (("sft", policy), ("reward", reward_model)):
+        # 3. The SFT policy: the first seed whose greedy summaries end (EOS) and beat the references 20-40% of the
+        # time under the gold model (at this size the win rate swings between 0.0 and 0.8 with the seed alone)
+        with torch.no_grad():
+            gold_references = reward_scores(gold, val_prompts, val_references, eos)
+
+        def sft_quality(policy) -> tuple[float, float, float]:
+            """Gold and judge win rates of the greedy summaries against the references, and how many end."""
+            greedy = sample(policy, val_prompts, eos, 0.0, 16)
+            with torch.no_grad():
+                gold_scores = reward_scores(gold, val_prompts, greedy, eos)
+            judge_wins = [judge_tokens(tokenizer, r["query"], g) > judge(r["query"], r["summary"], True)
+                          for r, g in zip(validation, greedy)]
+            return ((gold_scores > gold_references).float().mean().item(), sum(judge_wins) / len(judge_wins),
+                    sum(g[-1:] == [eos] for g in greedy) / len(greedy))
+
+        def good(quality: tuple) -> bool:
+            return SFT_WIN_RATE_RANGE[0] <= quality[0] <= SFT_WIN_RATE_RANGE[1] and quality[2] >= 0.98
+
+        tried = {}
+        for seed in range(12):
+            policy = train_sft(config, tokenizer, train, seed, steps=90)
+            tried[seed] = sft_quality(policy)
+            if good(tried[seed]):
+                break
+        else:  # none was good: the closest
+            seed = min(tried, key=lambda s: (tried[s][2] < 0.98, abs(tried[s][0] - sum(SFT_WIN_RATE_RANGE) / 2)))
+            policy = train_sft(config, tokenizer, train, seed, steps=90)
+        report.update(sft_seed=seed, sft_gold_win_rate=tried[seed][0], sft_judge_win_rate=tried[seed][1],
+                      sft_eos_fraction=tried[seed][2], sft_seeds_tried={str(k): v for k, v in tried.items()})
+
+        # 5. The proxy: pairs of candidates from 2,000 other posts, labelled by the gold model (the paper's
+        # relabelling), trained from the SFT policy's weights
+        held_out = held_out_sets(policy, tokenizer, validation[:256])
+        normalise(gold, held_out, eos)
+        pairs = [(prompt, rng.sample(completions, 2)) for prompt, completions in
+                 candidate_sets(rng, policy, tokenizer, train[2000:4000]) for _ in range(3)]
+        pairs = [(prompt, pair, scores.tolist()) for (prompt, pair), scores in
+                 zip(pairs, score_sets(gold, pairs, eos))]
+        tuning = held_out_sets(policy, tokenizer, validation[256:])  # not the posts the agreement is reported on
+        tuning_gold = score_sets(gold, tuning, eos)
+        proxy, report["proxy_steps"] = train_reward_model(
+            config, policy.state_dict(), pairs, steps=600, per_step=64, lr=1e-3, seed=2, dense=False,
+            good_enough=lambda model: agreement(score_sets(model, tuning, eos), tuning_gold) >= PROXY_AGREEMENT)
+        normalise(proxy, held_out, eos)
+
+        # Held-out agreement (pairs of candidates of the same post): gold against the judge, proxy against gold
+        with torch.no_grad():
+            judged = [torch.tensor([judge_tokens(tokenizer, row["query"], c) for c in completions])
+                      for (_, completions), row in zip(held_out, validation)]
+            gold_scored, proxy_scored = score_sets(gold, held_out, eos), score_sets(proxy, held_out, eos)
+        report.update(gold_judge_agreement=agreement(gold_scored, judged),
+                      proxy_gold_agreement=agreement(proxy_scored, gold_scored),
+                      proxy_judge_agreement=agreement(proxy_scored, judged),
+                      gold_probes=probe_agreement(gold, tokenizer, validation[:256], val_prompts))
+    parent = os.path.dirname(os.path.abspath(tiny_dir))
+    os.makedirs(parent, exist_ok=True)
+    build_dir = tempfile.mkdtemp(prefix=".building-", dir=parent)
+    os.makedirs(os.path.join(build_dir, "data"))
+    for split, rows in splits.items():
+        with open(os.path.join(build_dir, "data", f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    for name, model in (("sft", policy), ("gold", gold), ("proxy", proxy)):
         model.save_pretrained(os.path.join(build_dir, name))
         tokenizer.save_pretrained(os.path.join(build_dir, name))
-    open(os.path.join(build_dir, "READY"), "w").close()
+    report["build_seconds"] = round(time.time() - started, 1)
+    with open(os.path.join(build_dir, "world.json"), "w") as f:
+        json.dump(report, f, indent=1)
     try:
         os.rename(build_dir, tiny_dir)
     except OSError:  # another process finished the same (deterministic) build first
         shutil.rmtree(build_dir, ignore_errors=True)
     return paths
+
+
+@torch.no_grad()
+def probe_agreement(model, tokenizer, rows: list[dict], prompts: list[list[int]]) -> dict:
+    """One-word probes of a reference summary, each of which changes the judge's score: does the model follow?
+    (A gold model that missed one of these would be fooled by a policy that found it.)"""
+    eos, hits = tokenizer.eos_token_id, {"repeat a topic word": [], "add an off-topic word": [], "add a filler": []}
+    for row, prompt in zip(rows, prompts):
+        words = row["summary"].split()
+        topic = next(w for w in words if w in TOPICS[row["subreddit"]])
+        off_topic = next(w for s, ws in TOPICS.items() if s != row["subreddit"] for w in ws)
+        for probe, edited in (("repeat a topic word", words + [topic]), ("add an off-topic word", words + [off_topic]),
+                              ("add a filler", words + ["the"])):
+            change = judge(row["query"], " ".join(edited), True) - judge(row["query"], row["summary"], True)
+            if change:  # (a fifth word that is a topic word changes nothing: +1, and -1 for the length)
+                texts = [" " + " ".join(summary) + EOS for summary in (words, edited)]
+                before, after = reward_scores(model, [prompt] * 2, encode(tokenizer, texts), eos).tolist()
+                hits[probe].append((after > before) == (change > 0))
+    return {probe: sum(hit) / len(hit) for probe, hit in hits.items()}
+
+
+def build_untrained(cache_dir: str, hidden_size: int, num_layers: int) -> tuple[str, str, str]:
+    """For the speed benchmarks: this world's tokenizer and data with an untrained policy of the given size and a
+    reward model of random weights (its completions always run to the length cap, which keeps steps uniform).
+    Returns the policy's, the reward model's and the dataset's folders."""
+    cache_dir = os.path.expanduser(cache_dir)
+    paths = tuple(os.path.join(cache_dir, name) for name in ("sft", "reward", "data"))
+    if os.path.exists(os.path.join(cache_dir, "READY")):
+        return paths
+    import transformers
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    transformers.utils.logging.disable_progress_bar()
+    with deterministic(0) as rng:
+        splits = {split: [make_example(rng) for _ in range(n)] for split, n in (("train", 4000), ("validation", 256))}
+        tokenizer = build_tokenizer([r["query"] + r["reference_response"] for r in splits["train"]])
+        config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                               num_attention_heads=4, intermediate_size=4 * hidden_size, max_position_embeddings=512,
+                               bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, num_labels=1)
+        models = {"sft": GPTNeoXForCausalLM(config), "reward": GPTNeoXForSequenceClassification(config)}
+    os.makedirs(os.path.join(cache_dir, "data"), exist_ok=True)
+    for split, rows in splits.items():
+        with open(os.path.join(cache_dir, "data", f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    for name, model in models.items():
+        model.save_pretrained(os.path.join(cache_dir, name))
+        tokenizer.save_pretrained(os.path.join(cache_dir, name))
+    open(os.path.join(cache_dir, "READY"), "w").close()
+    return paths
+
+
+if __name__ == "__main__":  # build (or show) the world: python tiny_world.py [folder]
+    import sys
+
+    folder = sys.argv[1] if len(sys.argv) > 1 else "~/.cache/async-rlhf/tiny-v3"
+    build_tldr(folder)
+    print(open(os.path.join(os.path.expanduser(folder), "world.json")).read())

@@ -38,8 +38,7 @@ CONFIGS = {  # name: (script, extra flags). No EOS penalty: the untrained model 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    model = tiny_world.build_tldr(args.cache_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                                  sft_steps=0)
+    model = tiny_world.build_untrained(args.cache_dir, args.hidden_size, args.num_layers)
     runs = {}
     for name, (script, extra) in CONFIGS.items():
         with tempfile.TemporaryDirectory() as output_dir:

@@ -38,7 +38,7 @@ class Args:
     """tokens per completion (the model is untrained, so completions run to this length)"""
     max_prompt_length: int = 48
     """prompt tokens kept: 48 makes training slightly heavier than generation, as in the paper's runs"""
-    cache_dir: str = "~/.cache/async-rlhf/overlap-model"
+    cache_dir: str = "~/.cache/async-rlhf/overlap-model-v2"
     """where the benchmark's model is built once"""
 
 
@@ -62,8 +62,7 @@ def mean(values: list) -> float:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    sft, reward, data = tiny_world.build_tldr(args.cache_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                                              sft_steps=0)
+    sft, reward, data = tiny_world.build_untrained(args.cache_dir, args.hidden_size, args.num_layers)
     with tempfile.TemporaryDirectory() as output_dir:
         records = run_pipeline("async_dpo.py", sft, reward, data, args, output_dir)
     steps = [r for r in records if "time/step" in r]

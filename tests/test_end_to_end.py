@@ -11,8 +11,9 @@ from conftest import run_script
 STEP_METRICS = ["step", "episode", "staleness", "time/generation", "time/training", "time/weight_sync",
                 "time/learner_wait", "time/step", "reward/mean", "reward/chosen", "reward/rejected", "loss/dpo",
                 "logps/chosen", "logps/rejected", "eos/fraction", "lr"]
-EVAL_METRICS = ["eval/proxy_win_rate", "eval/proxy_win_rate_stderr", "eval/proxy_reward", "eval/perplexity",
-                "eval/perplexity_paper", "eval/num_prompts", "time/elapsed"]
+EVAL_METRICS = ["eval/proxy_win_rate", "eval/proxy_win_rate_stderr", "eval/proxy_reward", "eval/gold_win_rate",
+                "eval/gold_win_rate_stderr", "eval/gold_reward", "eval/perplexity", "eval/perplexity_paper",
+                "eval/num_prompts", "time/elapsed"]
 
 
 def read_metrics(output_dir: str) -> tuple[list, list]:
@@ -37,14 +38,18 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     assert gaps[0] < 1e-4 and sorted(gaps[1:])[len(gaps) // 2] > 1e-3
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60]
     assert all(set(EVAL_METRICS) <= set(r) and len(r["eval/samples"]) == 3 for r in evals)
-    # 64 validation prompts during training; the final evaluation takes the whole split
-    assert [r["eval/num_prompts"] for r in evals] == [64] * 4 + [256]
+    # 128 validation prompts during training; the final evaluation takes the whole split
+    assert [r["eval/num_prompts"] for r in evals] == [128] * 4 + [512]
     assert [r["episode"] for r in evals] == [0, 480, 960, 1440, 1920]
-    # Rewards rise: on held-out prompts and in training
-    assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"] + 0.1
-    assert evals[-1]["eval/proxy_win_rate"] > evals[0]["eval/proxy_win_rate"]
-    first, last = (sum(r["reward/mean"] for r in rs) / len(rs) for rs in (steps[:10], steps[-10:]))
-    assert last > first + 0.05
+    # The policy optimises the proxy, and the gold model it never sees judges it better, at a KL cost. Measured over
+    # 3 seeds x 2 world builds (README): gold win rate +0.29 to +0.64, proxy mean score +0.18 to +1.07, training
+    # reward +0.08 to +0.53, perplexity up in every run
+    first, last = evals[0], evals[-1]
+    assert last["eval/gold_win_rate"] >= first["eval/gold_win_rate"] + 0.15
+    assert last["eval/proxy_reward"] >= first["eval/proxy_reward"] + 0.1
+    assert last["eval/perplexity"] > first["eval/perplexity"]
+    first_reward, last_reward = (sum(r["reward/mean"] for r in rs) / len(rs) for rs in (steps[:10], steps[-10:]))
+    assert last_reward > first_reward + 0.03
     # Saved model loads; the wandb run was written offline
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

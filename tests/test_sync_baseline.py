@@ -1,7 +1,4 @@
-"""sync_baseline.py end to end with both generation backends (real vLLM on CPU, and transformers generate), and
-the async-vs-sync benchmark in a reduced mode."""
-import os
-
+"""sync_baseline.py end to end with both generation backends (real vLLM on CPU, and transformers generate)."""
 import pytest
 from conftest import run_script
 from test_end_to_end import EVAL_METRICS, STEP_METRICS, read_metrics
@@ -17,9 +14,13 @@ def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path, backend):
     assert [r["staleness"] for r in steps] == [0] * 20  # generated with the very weights being trained
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
     assert [r["step"] for r in evals] == [0, 10, 20] and all(set(EVAL_METRICS) <= set(r) for r in evals)
-    assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"] + 0.05
-    if backend == "vllm":  # the learner really waits for generation: nothing overlaps
-        assert all(r["time/learner_wait"] >= 0.8 * r["time/generation"] for r in steps[1:])
+    assert evals[-1]["eval/gold_win_rate"] >= evals[0]["eval/gold_win_rate"] + 0.1
+    assert evals[-1]["eval/proxy_reward"] >= evals[0]["eval/proxy_reward"] + 0.1
+    if backend == "vllm":  # the learner really waits for generation: nothing overlaps. (Except where it scores an
+        # evaluation, two steps after one is requested, while the generator samples the next batch)
+        after_eval = {r["step"] + 2 for r in evals}
+        assert all(r["time/learner_wait"] >= 0.8 * r["time/generation"]
+                   for r in steps[1:] if r["step"] not in after_eval)
         # on-policy to the last bit: vLLM's log-probs of the pairs match the learner's at every step
         assert all(abs(r["logps/generator_gap"]) < 1e-4 for r in steps)
     else:
@@ -35,11 +36,3 @@ def test_sync_baseline_num_mini_batches_staleness(tiny_dir, tmp_path):
     steps, _ = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0, 1, 0, 1, 0, 1]
 
-
-def test_async_vs_sync_benchmark_reduced(tmp_path):
-    plot = tmp_path / "plot.png"
-    result = run_script("--steps", "4", "--warmup_steps", "1", "--cache_dir", str(tmp_path / "model"), "--plot_path",
-                        str(plot), script=os.path.join("benchmarks", "async_vs_sync.py"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "speedup=" in result.stdout and "ideal=" in result.stdout and "speedup_vs_sync_hf=" in result.stdout
-    assert plot.stat().st_size > 1000

@@ -85,7 +85,7 @@ def test_sequence_logprobs_are_temperature_scaled_and_ignore_padding(tiny_dir):
 
 
 def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_dir):
-    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "reward"), torch.float32, CPU)
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: a long title here\n\nTL;DR:", "TL;DR:"])
     eos = tokenizer.eos_token_id
     scores = get_reward(reward_model, *collate(prompts, [[5, eos], [6, 7, 8]], eos, CPU), [True, False], -7.0)
@@ -98,7 +98,7 @@ def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_di
 
 def test_reward_head_scores_in_float32_under_bfloat16(tiny_dir):
     """The backbone may run in bfloat16, but close scores must not round to the same bfloat16 value (false ties)."""
-    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "reward"), torch.bfloat16, CPU)
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.bfloat16, CPU)
     assert reward_model.score.weight.dtype == torch.float32
     tokenizer, prompts = _encode(tiny_dir, [f"TITLE: post number {i}\n\nTL;DR:" for i in range(16)])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -134,7 +134,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir
 
 
 def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perplexities(tiny_dir):
-    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "reward"), torch.float32, CPU)
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
     sft = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: my cat\n\nTL;DR:", "TITLE: my job\n\nTL;DR:"])
     eos = tokenizer.eos_token_id

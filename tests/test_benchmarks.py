@@ -1,0 +1,39 @@
+"""The benchmark scripts in their reduced modes: they run and produce their tables and plots (the figures they
+measure are in the README, from full runs)."""
+import os
+
+from conftest import run_script
+
+
+def test_async_vs_sync_benchmark_reduced(tmp_path):
+    plot = tmp_path / "plot.png"
+    result = run_script("--steps", "4", "--warmup_steps", "1", "--cache_dir", str(tmp_path / "model"), "--plot_path",
+                        str(plot), script=os.path.join("benchmarks", "async_vs_sync.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "speedup=" in result.stdout and "ideal=" in result.stdout and "speedup_vs_sync_hf=" in result.stdout
+    assert plot.stat().st_size > 1000
+
+
+def test_tiny_curves_quick(tiny_dir, tmp_path):
+    result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path),
+                        script=os.path.join("benchmarks", "tiny_curves.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gold win rate" in result.stdout and "perplexity (paper's)" in result.stdout
+    for name in ("tiny_demo.png", "tiny_overoptimisation.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_gpu_check_runs_on_the_cpu():
+    """benchmarks/gpu_check.py checks the GPU code paths through the scripts' own functions; without a GPU it runs
+    them on the CPU, which keeps it working until a GPU runs it."""
+    result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for check in ("(a) step 1", "(b) reduce_sums and share over gloo: ok", "(c) version 5", "all checks passed"):
+        assert check in result.stdout, result.stdout
+
+
+def test_gpu_check_prints_the_memory_table():
+    result = run_script("--estimate_only", script=os.path.join("benchmarks", "gpu_check.py"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| pythia-")]
+    assert [row.split(" | ")[0] for row in rows] == ["| pythia-410m", "| pythia-1b", "| pythia-2.8b"]

@@ -1,0 +1,93 @@
+"""The tiny TL;DR world (tiny_world.py): the judge on hand-made summaries, the data's design, and the targets the
+build must reach, recomputed from the cached world rather than read from its report."""
+import json
+import os
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import tiny_world
+from tiny_world import EOS, TOPICS, judge
+
+DOGS = "SUBREDDIT: r/dogs\n\nTITLE: my puppy\n\nPOST: my puppy ate the leash.\n\nTL;DR:"
+
+
+@pytest.mark.parametrize("summary, has_eos, score", [
+    ("puppy leash", True, 2.0),  # +1 per topic word of the post's subreddit
+    ("puppy the leash", True, 1.5),  # -0.5 per other word
+    ("kitten", True, -0.5),  # another subreddit's topic word is just another word
+    ("puppy leash bark walk", True, 4.0),  # the best a summary can do
+    ("puppy leash bark walk vet", True, 4.0),  # a fifth topic word: +1, and -1 for the length
+    ("puppy puppy puppy puppy", True, 4.0),  # repeats count
+    ("puppy the the the the", True, 1.0 - 2.0 - 1.0),
+    ("puppy leash", False, -1.0),  # -3 without EOS
+    ("", True, 0.0),
+])
+def test_judge_on_hand_made_summaries(summary, has_eos, score):
+    assert judge(DOGS, summary, has_eos) == score
+
+
+def test_data_is_in_the_hub_format_with_decent_but_beatable_references():
+    rng = random.Random(0)
+    rows = [tiny_world.make_example(rng) for _ in range(300)]
+    for row in rows:
+        assert row["query"].startswith(f"SUBREDDIT: r/{row['subreddit']}\n\nTITLE: ")
+        assert row["query"].endswith("\n\nTL;DR:")
+        assert row["reference_response"] == f" {row['summary']}{EOS}"
+        own = [w for w in row["post"][:-1].split() if w in TOPICS[row["subreddit"]]]
+        assert 4 <= len(own) <= 8 and all(own.count(w) == 2 for w in own)  # 2-4 topic words, each twice
+        assert all(w in own for w in row["summary"].split() if w != "the")
+    scores = [judge(r["query"], r["summary"], True) for r in rows]
+    assert set(scores) == {1.5, 2.5} and 1.9 < sum(scores) / len(scores) < 2.4  # of a possible 4
+
+
+@pytest.fixture(scope="module")
+def world(tiny_dir):
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(tiny_dir, "sft"))
+    models = {name: AutoModelForSequenceClassification.from_pretrained(os.path.join(tiny_dir, name)).eval()
+              for name in ("gold", "proxy")}
+    models["sft"] = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft")).eval()
+    validation = [json.loads(line) for line in open(os.path.join(tiny_dir, "data", "validation.jsonl"))]
+    report = json.load(open(os.path.join(tiny_dir, "world.json")))
+    return tokenizer, models, validation, report
+
+
+def test_gold_and_proxy_agreement_reach_their_targets(world):
+    tokenizer, models, validation, report = world
+    held_out = tiny_world.held_out_sets(models["sft"], tokenizer, validation[:256])
+    judged = [torch.tensor([tiny_world.judge_tokens(tokenizer, row["query"], c) for c in completions])
+              for (_, completions), row in zip(held_out, validation)]
+    gold, proxy = (tiny_world.score_sets(models[name], held_out, tokenizer.eos_token_id) for name in ("gold", "proxy"))
+    gold_judge, proxy_gold = tiny_world.agreement(gold, judged), tiny_world.agreement(proxy, gold)
+    assert gold_judge >= 0.9  # the gold model learned the judge
+    assert 0.65 <= proxy_gold <= 0.85  # the proxy is decent but imperfect
+    assert gold_judge == pytest.approx(report["gold_judge_agreement"], abs=0.01)
+    assert proxy_gold == pytest.approx(report["proxy_gold_agreement"], abs=0.01)
+
+
+def test_sft_policy_loses_to_the_references_most_of_the_time_under_gold(world):
+    tokenizer, models, validation, report = world
+    eos = tokenizer.eos_token_id
+    prompts = tiny_world.encode(tokenizer, [r["query"] for r in validation])
+    with torch.no_grad():
+        greedy = tiny_world.sample(models["sft"], prompts, eos, 0.0, 16)
+        policy_scores = tiny_world.reward_scores(models["gold"], prompts, greedy, eos)
+        reference_scores = tiny_world.reward_scores(
+            models["gold"], prompts, tiny_world.encode(tokenizer, [r["reference_response"] for r in validation]), eos)
+    win_rate = (policy_scores > reference_scores).float().mean().item()
+    assert 0.15 <= win_rate <= 0.45
+    assert win_rate == pytest.approx(report["sft_gold_win_rate"], abs=0.02)
+    # Its summaries depend on the post: on its subreddit at least (today's SFT policy is not a constant answer)
+    assert len({tuple(g) for g in greedy}) >= 2 * len(TOPICS)
+    judged = [tiny_world.judge_tokens(tokenizer, r["query"], g) for r, g in zip(validation, greedy)]
+    assert sum(score > 0 for score in judged) / len(judged) > 0.9
+
+
+def test_gold_model_follows_one_word_probes(world):
+    """A gold model fooled by one word (a repeat, an off-topic word, a filler) would be gamed by the policy."""
+    tokenizer, models, validation, _ = world
+    prompts = tiny_world.encode(tokenizer, [r["query"] for r in validation[:128]])
+    probes = tiny_world.probe_agreement(models["gold"], tokenizer, validation[:128], prompts)
+    assert min(probes.values()) >= 0.9, probes
