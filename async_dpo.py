@@ -444,7 +444,7 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
         results.put(dict(kind="ready"))
         loaded_version = 0  # the engine starts from the SFT checkpoint, which is the learner's version 0
         while (request := requests.get()) is not None:
-            start = time.time()
+            load_start = time.time()
             if request["weights_version"] != loaded_version:
                 # In place (vllm/model_executor/model_loader/reload/inplace.py): captured CUDA graphs stay valid
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
@@ -453,16 +453,17 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
                 if torch.cuda.is_available():  # done reading the buffer before the learner may rewrite it
                     torch.cuda.synchronize()
                 loaded_version = request["weights_version"]
-            load_time = time.time() - start
             sampling = SamplingParams(n=request["n"], temperature=request["temperature"],
                                       max_tokens=request["max_tokens"], logprobs=0, detokenize=False)
-            start = time.time()
+            generation_start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling,
                                    use_tqdm=False)
+            # time.time() is one clock for both processes: the learner places these on its timeline
             results.put(dict({k: v for k, v in request.items() if k != "prompts"}, generation_version=loaded_version,
                              responses=[list(c.token_ids) for out in outputs for c in out.outputs],
                              logprobs=[c.cumulative_logprob for out in outputs for c in out.outputs],
-                             generation_time=time.time() - start, weight_load_time=load_time))
+                             weight_load_start=load_start, generation_start=generation_start,
+                             generation_end=time.time()))
     except BaseException:
         results.put(dict(kind="error", traceback=traceback.format_exc()))
         raise SystemExit(1)
@@ -600,6 +601,13 @@ def eval_record(sums: dict, step: int, args: Args) -> dict:
             record.update({f"eval/{name}_win_rate": win_rate, f"eval/{name}_reward": sums[f"{name}_reward"] / n,
                            f"eval/{name}_win_rate_stderr": math.sqrt(win_rate * (1 - win_rate) / n)})
     return record
+
+
+def timeline(origin: float, **phases: tuple[float, float]) -> dict:
+    """`timeline/{phase}_start` and `_end` in seconds since `origin` (when training began): benchmarks/timeline.py
+    draws them."""
+    return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
+            for edge, t in zip(("start", "end"), span)}
 
 
 def log(record: dict, metrics_file, track: bool) -> None:
@@ -779,6 +787,9 @@ if __name__ == "__main__":
             record = eval_record(reduce_sums(sums, args.world_size), message["generation_version"], args)
             record["time/eval"] = time.time() - start
             record["time/elapsed"] = time.time() - training_start if training_start else 0.0
+            if training_start:
+                record.update(timeline(training_start, evaluation=(start, time.time()), eval_generation=(
+                    message["generation_start"], message["generation_end"])))
             if rank == 0:
                 record["eval/samples"] = [dict(prompt=tokenizer.decode(my_eval_prompts[i])[-200:],
                                                response=tokenizer.decode(truncate_at_eos(
@@ -814,7 +825,9 @@ if __name__ == "__main__":
         submit(train_request(0, version, [train_prompts[i] for i in rounds[0]], args))
         for round_index in range(args.num_rounds):
             round_start = time.time()
+            wait_start = time.time()
             batch, learner_wait = next_batch()
+            wait_end = time.time()
             if batch["round"] != round_index:
                 raise RuntimeError(f"expected the batch of round {round_index}, got round {batch['round']}")
             # ASYNC: request the next round with the newest weights now, so it is generated while we train on this
@@ -829,7 +842,7 @@ if __name__ == "__main__":
             if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
                 last_eval = version  # queued behind the training batch, which is never generated after it
                 submit(eval_request(version, eval_prompts[:num_eval], args))
-            weight_sync_time = time.time() - sync_start
+            sync_end = time.time()
 
             # Score every completion of this rank's prompts; the best and worst of each prompt's K form its pair
             train_start = time.time()
@@ -877,11 +890,15 @@ if __name__ == "__main__":
                               "staleness": version - 1 - batch["generation_version"], "lr": scheduler.get_last_lr()[0],
                               **{k: v / (num_valid if k.startswith(("loss", "logps")) else args.batch_size)
                                  for k, v in sums.items()}}
-                    if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:
-                        record.update({
-                            "time/generation": batch["generation_time"], "time/weight_load": batch["weight_load_time"],
-                            "time/weight_sync": weight_sync_time, "time/learner_wait": learner_wait,
-                            "time/training": time.time() - train_start, "time/step": time.time() - round_start})
+                    if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:  # the round's times
+                        spans = dict(weight_load=(batch["weight_load_start"], batch["generation_start"]),
+                                     generation=(batch["generation_start"], batch["generation_end"]),
+                                     learner_wait=(wait_start, wait_end), weight_sync=(sync_start, sync_end),
+                                     training=(train_start, time.time()))
+                        record.update({f"time/{phase}": end - start for phase, (start, end) in spans.items()})
+                        record.update(timeline(training_start, **spans))
+                        # the waiting time, evaluations scored meanwhile excluded; the whole round
+                        record.update({"time/learner_wait": learner_wait, "time/step": time.time() - round_start})
                     record["time/elapsed"] = time.time() - training_start
                     log(record, metrics_file, args.track)
                     progress.update(1)

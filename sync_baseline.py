@@ -466,7 +466,7 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
         results.put(dict(kind="ready"))
         loaded_version = 0  # the engine starts from the SFT checkpoint, which is the learner's version 0
         while (request := requests.get()) is not None:
-            start = time.time()
+            load_start = time.time()
             if request["weights_version"] != loaded_version:
                 # In place (vllm/model_executor/model_loader/reload/inplace.py): captured CUDA graphs stay valid
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
@@ -475,16 +475,17 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
                 if torch.cuda.is_available():  # done reading the buffer before the learner may rewrite it
                     torch.cuda.synchronize()
                 loaded_version = request["weights_version"]
-            load_time = time.time() - start
             sampling = SamplingParams(n=request["n"], temperature=request["temperature"],
                                       max_tokens=request["max_tokens"], logprobs=0, detokenize=False)
-            start = time.time()
+            generation_start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling,
                                    use_tqdm=False)
+            # time.time() is one clock for both processes: the learner places these on its timeline
             results.put(dict({k: v for k, v in request.items() if k != "prompts"}, generation_version=loaded_version,
                              responses=[list(c.token_ids) for out in outputs for c in out.outputs],
                              logprobs=[c.cumulative_logprob for out in outputs for c in out.outputs],
-                             generation_time=time.time() - start, weight_load_time=load_time))
+                             weight_load_start=load_start, generation_start=generation_start,
+                             generation_end=time.time()))
     except BaseException:
         results.put(dict(kind="error", traceback=traceback.format_exc()))
         raise SystemExit(1)
@@ -624,6 +625,13 @@ def eval_record(sums: dict, step: int, args: Args) -> dict:
     return record
 
 
+def timeline(origin: float, **phases: tuple[float, float]) -> dict:
+    """`timeline/{phase}_start` and `_end` in seconds since `origin` (when training began): benchmarks/timeline.py
+    draws them."""
+    return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
+            for edge, t in zip(("start", "end"), span)}
+
+
 def log(record: dict, metrics_file, track: bool) -> None:
     """One line of metrics.jsonl (and a wandb step with --track). Only rank 0 has a metrics file."""
     if metrics_file is None:
@@ -744,8 +752,8 @@ if __name__ == "__main__":
         for j, i in enumerate(mine):
             responses[i * n: (i + 1) * n] = sampled[j * n: (j + 1) * n]
         return dict({k: v for k, v in request.items() if k != "prompts"}, responses=responses, logprobs=None,
-                    generation_version=request["weights_version"], generation_time=time.time() - start,
-                    weight_load_time=0.0)
+                    generation_version=request["weights_version"], weight_load_start=start, generation_start=start,
+                    generation_end=time.time())
 
     progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
     try:
@@ -819,6 +827,9 @@ if __name__ == "__main__":
             record = eval_record(reduce_sums(sums, args.world_size), message["generation_version"], args)
             record["time/eval"] = time.time() - start
             record["time/elapsed"] = time.time() - training_start if training_start else 0.0
+            if training_start:
+                record.update(timeline(training_start, evaluation=(start, time.time()), eval_generation=(
+                    message["generation_start"], message["generation_end"])))
             if rank == 0:
                 record["eval/samples"] = [dict(prompt=tokenizer.decode(my_eval_prompts[i])[-200:],
                                                response=tokenizer.decode(truncate_at_eos(
@@ -863,8 +874,10 @@ if __name__ == "__main__":
             if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
                 last_eval = version  # queued behind the training batch, which is never generated after it
                 submit(eval_request(version, eval_prompts[:num_eval], args))
-            weight_sync_time = time.time() - sync_start
+            sync_end = time.time()
+            wait_start = time.time()
             batch, learner_wait = next_batch()
+            wait_end = time.time()
             if batch["round"] != round_index:
                 raise RuntimeError(f"expected the batch of round {round_index}, got round {batch['round']}")
 
@@ -918,11 +931,15 @@ if __name__ == "__main__":
                                  for k, v in sums.items()}}
                     if batch["logprobs"] is None:
                         del record["logps/generator_gap"]
-                    if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:
-                        record.update({
-                            "time/generation": batch["generation_time"], "time/weight_load": batch["weight_load_time"],
-                            "time/weight_sync": weight_sync_time, "time/learner_wait": learner_wait,
-                            "time/training": time.time() - train_start, "time/step": time.time() - round_start})
+                    if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:  # the round's times
+                        spans = dict(weight_load=(batch["weight_load_start"], batch["generation_start"]),
+                                     generation=(batch["generation_start"], batch["generation_end"]),
+                                     learner_wait=(wait_start, wait_end), weight_sync=(sync_start, sync_end),
+                                     training=(train_start, time.time()))
+                        record.update({f"time/{phase}": end - start for phase, (start, end) in spans.items()})
+                        record.update(timeline(training_start, **spans))
+                        # the waiting time, evaluations scored meanwhile excluded; the whole round
+                        record.update({"time/learner_wait": learner_wait, "time/step": time.time() - round_start})
                     record["time/elapsed"] = time.time() - training_start
                     log(record, metrics_file, args.track)
                     progress.update(1)
