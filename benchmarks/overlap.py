@@ -32,12 +32,13 @@ class Args:
     """width of the benchmark's Pythia-architecture model"""
     num_layers: int = 4
     """depth of the benchmark's model"""
-    batch_size: int = 8
-    """prompts per step"""
-    response_length: int = 64
+    batch_size: int = 3
+    """prompts per step (x 2 samples): 3 makes training slightly heavier than generation, as in the paper's runs;
+    2 makes generation the heavier phase"""
+    response_length: int = 128
     """tokens per completion (the model is untrained, so completions run to this length)"""
     max_prompt_length: int = 48
-    """prompt tokens kept: 48 makes training slightly heavier than generation, as in the paper's runs"""
+    """prompt tokens kept"""
     cache_dir: str = "~/.cache/async-rlhf/overlap-model-v2"
     """where the benchmark's model is built once"""
 
