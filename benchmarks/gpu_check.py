@@ -69,34 +69,46 @@ def parameter_count(config) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
-def memory_estimate(name: str, micro_batch: int, sequence_length: int, response_length: int) -> dict:
+def memory_estimate(name: str, micro_batch: int, sequence_length: int, response_length: int,
+                    algorithm: str = "dpo") -> dict:
     """GiB per learner GPU for one replica (DDP), by component. Policy: float32 weights, gradients and two AdamW
     moments (16 bytes a parameter); reference, reward model and weight buffer in bfloat16 (2 bytes each).
-    Activations of one micro-batch (2 x micro_batch sequences) with gradient checkpointing: each block's float32
-    input kept for the backward pass, one block's working set while it is recomputed (~20 bytes a hidden unit
-    with SDPA attention), and the response logits (bfloat16, their float32 copy, log-softmax and its gradient)."""
+    Activations of one micro-batch with gradient checkpointing: each block's float32 input kept for the backward
+    pass, one block's working set while it is recomputed (~20 bytes a hidden unit with SDPA attention), and the
+    response logits (bfloat16, their float32 copy, log-softmax and its gradient).
+    DPO: a micro-batch is 2 x micro_batch sequences (chosen and rejected). PPO (one completion per prompt):
+    micro_batch sequences, and a value model (the reward model's backbone and head, trained: 16 bytes a parameter)
+    whose blocks keep their inputs too; the entropy adds a float32 copy of the response logits."""
     config = pythia_config(name)
-    params, sequences = parameter_count(config), 2 * micro_batch
+    params, sequences = parameter_count(config), (2 if algorithm == "dpo" else 1) * micro_batch
     tokens, hidden = sequences * sequence_length, config.hidden_size
-    activations = (config.num_hidden_layers * tokens * hidden * 4 + tokens * hidden * 20
-                   + sequences * (response_length + 1) * config.vocab_size * 14)
-    return {"parameters (B)": params / 1e9, "policy weights": 4 * params / GIB, "gradients + AdamW": 12 * params / GIB,
-            "reference": 2 * params / GIB, "reward model": 2 * params / GIB, "weight buffer": 2 * params / GIB,
-            "activations / micro-batch": activations / GIB}
+    backbones = 1 if algorithm == "dpo" else 2
+    logits_bytes = 14 if algorithm == "dpo" else 18
+    activations = (backbones * config.num_hidden_layers * tokens * hidden * 4 + tokens * hidden * 20
+                   + sequences * (response_length + 1) * config.vocab_size * logits_bytes)
+    estimate = {"parameters (B)": params / 1e9, "policy weights": 4 * params / GIB,
+                "gradients + AdamW": 12 * params / GIB}
+    if algorithm == "ppo":
+        value_params = params - config.vocab_size * hidden + hidden  # no output embedding; a 1-output head
+        estimate["value model + grads + AdamW"] = 16 * value_params / GIB
+    return {**estimate, "reference": 2 * params / GIB, "reward model": 2 * params / GIB,
+            "weight buffer": 2 * params / GIB, "activations / micro-batch": activations / GIB}
 
 
 def print_estimate_table(args: Args) -> None:
-    print("| model | params | policy fp32 | grads + AdamW | reference bf16 | reward bf16 | buffer bf16 | activations "
-          "/ micro-batch | total (DDP, per learner GPU) | FSDP over 3 learners (rank 0) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name in ("pythia-410m", "pythia-1b", "pythia-2.8b"):
-        e = memory_estimate(name, args.per_device_train_batch_size, args.prompt_length + args.response_length,
-                            args.response_length)
-        sharded = e["policy weights"] + e["gradients + AdamW"] + e["reference"] + e["reward model"]
-        total = sum(v for k, v in e.items() if k != "parameters (B)")
-        fsdp = sharded / 3 + e["weight buffer"] + e["activations / micro-batch"]
-        print(f"| {name} | {e['parameters (B)']:.2f} B | " + " | ".join(
-            f"{e[k]:.1f}" for k in list(e)[1:]) + f" | **{total:.1f} GiB** | {fsdp:.1f} GiB |")
+    for algorithm in ("dpo", "ppo"):
+        columns = list(memory_estimate("cpu-small", 1, 2, 1, algorithm))[1:]
+        print(f"\n{algorithm.upper()}\n\n| model | params | " + " | ".join(columns) +
+              " | total (DDP, per learner GPU) | FSDP over 3 learners (rank 0) |")
+        print("|---" * (len(columns) + 4) + "|")
+        for name in ("pythia-410m", "pythia-1b", "pythia-2.8b"):
+            e = memory_estimate(name, args.per_device_train_batch_size, args.prompt_length + args.response_length,
+                                args.response_length, algorithm)
+            unsharded = e["weight buffer"] + e["activations / micro-batch"]
+            total = sum(v for k, v in e.items() if k != "parameters (B)")
+            fsdp = (total - unsharded) / 3 + unsharded
+            print(f"| {name} | {e['parameters (B)']:.2f} B | " + " | ".join(f"{e[k]:.1f}" for k in columns) +
+                  f" | **{total:.1f} GiB** | {fsdp:.1f} GiB |")
     gold = parameter_count(pythia_config("pythia-6.9b"))
     print(f"\nthe 6.9B gold reward model (--gold_reward_model_path) adds {2 * gold / GIB:.1f} GiB in bfloat16 "
           f"(a third of that per learner with --fsdp over 3)")

@@ -1,14 +1,15 @@
-"""The tiny world's learning curves: the README demo (`async_dpo.py --model tiny`) and a longer, hotter run that
-shows reward over-optimisation, each over several seeds.
+"""The tiny world's learning curves: the README demo (`async_dpo.py --model tiny`, or another script's with
+--script) and a longer, hotter run that shows reward over-optimisation, each over several seeds.
 
 Prints, per run and as mean +- standard deviation over seeds, the gold and proxy win rates, mean scores and the
 perplexity before and after, and saves two plots:
   tiny_demo.png               gold and proxy win rate, mean scores, and gold win rate against perplexity (the
-                              paper's KL axis) for the demo
+                              paper's KL axis) for the demo (tiny_demo_ppo.png for --script async_ppo.py, ...)
   tiny_overoptimisation.png   proxy and gold mean scores over the long run (4x the episodes at 3x the learning rate)
 
     python benchmarks/tiny_curves.py            # ~10 minutes on 2 cores
     python benchmarks/tiny_curves.py --quick    # one short run of each, for CI
+    python benchmarks/tiny_curves.py --script async_ppo.py --no-long_run   # the PPO demo, ~4 minutes
 """
 import json
 import os
@@ -26,6 +27,10 @@ REPO = os.path.dirname(HERE)
 
 @dataclass
 class Args:
+    script: str = "async_dpo.py"
+    """the algorithm script whose demo to run"""
+    long_run: bool = True
+    """also run the long, hotter run (over-optimisation)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of the runs (the world itself is the same for all)"""
     long_episodes: int = 7680
@@ -42,7 +47,7 @@ class Args:
 
 def run(output_dir: str, args: Args, seed: int, *flags: str) -> list[dict]:
     """Run the demo's command with extra flags; return its evaluation records."""
-    subprocess.run([sys.executable, os.path.join(REPO, "async_dpo.py"), "--model", "tiny", "--tiny_dir", args.tiny_dir,
+    subprocess.run([sys.executable, os.path.join(REPO, args.script), "--model", "tiny", "--tiny_dir", args.tiny_dir,
                     "--seed", str(seed), "--output_dir", output_dir, *flags], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
@@ -79,10 +84,12 @@ if __name__ == "__main__":
         for seed in args.seeds:
             print(f"seed {seed}: demo ...", flush=True)
             demo[seed] = run(os.path.join(tmp, f"demo{seed}"), args, seed, *demo_flags)
-            print(f"seed {seed}: long run ...", flush=True)
-            long[seed] = run(os.path.join(tmp, f"long{seed}"), args, seed, *long_flags)
-    report("demo (python async_dpo.py --model tiny)", demo)
-    report(f"long run (--total_episodes {args.long_episodes} --learning_rate {args.long_learning_rate})", long)
+            if args.long_run:
+                print(f"seed {seed}: long run ...", flush=True)
+                long[seed] = run(os.path.join(tmp, f"long{seed}"), args, seed, *long_flags)
+    report(f"demo (python {args.script} --model tiny)", demo)
+    if args.long_run:
+        report(f"long run (--total_episodes {args.long_episodes} --learning_rate {args.long_learning_rate})", long)
     for seed, evals in long.items():
         peak = max(evals, key=lambda r: r["eval/gold_reward"])
         print(f"  seed {seed}: gold mean score peaks at step {peak['step']} ({peak['eval/gold_reward']:.2f}), ends at "
@@ -110,9 +117,14 @@ if __name__ == "__main__":
                 title="gold win rate against the KL proxy")
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=7)
-    fig.suptitle("python async_dpo.py --model tiny")
+    fig.suptitle(f"python {args.script} --model tiny")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.plot_dir, "tiny_demo.png"), dpi=90)
+    algorithm = os.path.splitext(args.script)[0].split("_")[-1]
+    demo_plot = os.path.join(args.plot_dir, "tiny_demo.png" if algorithm == "dpo" else f"tiny_demo_{algorithm}.png")
+    fig.savefig(demo_plot, dpi=90)
+    print(f"plot saved to {demo_plot}")
+    if not args.long_run:
+        sys.exit(0)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for seed, evals in long.items():
@@ -123,8 +135,8 @@ if __name__ == "__main__":
     axes[0].set(xlabel="step", ylabel="mean score (normalised)", title="mean scores: proxy (dotted), gold (solid)")
     axes[1].set(xlabel="step", ylabel="gold win rate against the references")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"async_dpo.py --model tiny --total_episodes {args.long_episodes} "
+    fig.suptitle(f"{args.script} --model tiny --total_episodes {args.long_episodes} "
                  f"--learning_rate {args.long_learning_rate}")
     fig.tight_layout()
     fig.savefig(os.path.join(args.plot_dir, "tiny_overoptimisation.png"), dpi=90)
-    print(f"plots saved to {args.plot_dir}/tiny_demo.png and tiny_overoptimisation.png")
+    print(f"plot saved to {args.plot_dir}/tiny_overoptimisation.png")

@@ -10,10 +10,11 @@ sys.path.insert(0, REPO)
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
-    """The tiny CPU configuration's models, tokenizer and dataset, built once per test session."""
+    """The tiny CPU configuration's models, tokenizer and dataset, built once per test session (or, for quicker
+    local iterations, taken from the folder in ASYNC_RLHF_TEST_TINY_DIR, where it is built if missing)."""
     import tiny_world
 
-    tiny_dir = str(tmp_path_factory.mktemp("tiny") / "cache" / "assets")
+    tiny_dir = os.environ.get("ASYNC_RLHF_TEST_TINY_DIR") or str(tmp_path_factory.mktemp("tiny") / "cache" / "assets")
     tiny_world.build_tldr(tiny_dir)
     return tiny_dir
 

@@ -36,4 +36,7 @@ def test_gpu_check_prints_the_memory_table():
     result = run_script("--estimate_only", script=os.path.join("benchmarks", "gpu_check.py"), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| pythia-")]
-    assert [row.split(" | ")[0] for row in rows] == ["| pythia-410m", "| pythia-1b", "| pythia-2.8b"]
+    assert [row.split(" | ")[0] for row in rows] == ["| pythia-410m", "| pythia-1b", "| pythia-2.8b"] * 2  # DPO, PPO
+    # PPO trains a value model too: each preset needs more than under DPO
+    totals = [float(row.split("**")[1].split()[0]) for row in rows]
+    assert all(ppo > dpo for dpo, ppo in zip(totals[:3], totals[3:]))

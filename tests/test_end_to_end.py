@@ -16,9 +16,10 @@ EVAL_METRICS = ["eval/proxy_win_rate", "eval/proxy_win_rate_stderr", "eval/proxy
                 "eval/num_prompts", "time/elapsed"]
 
 
-def read_metrics(output_dir: str) -> tuple[list, list]:
+def read_metrics(output_dir: str, step_metric: str = "loss/dpo") -> tuple[list, list]:
+    """The training steps (the records with `step_metric`) and the evaluations of a run's metrics.jsonl."""
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
-    return [r for r in records if "loss/dpo" in r], [r for r in records if "eval/proxy_win_rate" in r]
+    return [r for r in records if step_metric in r], [r for r in records if "eval/proxy_win_rate" in r]
 
 
 def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
