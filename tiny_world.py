@@ -16,8 +16,11 @@ reference summaries judges the result. Here, the same steps at toy scale:
 5. A proxy reward model trained with Bradley-Terry on fewer pairs labelled by the gold model: decent but imperfect,
    which is what makes reward over-optimisation possible. It is the `--reward_model_path` of `--model tiny`.
 
+A second, smaller world, the GSM8k miniature of `gsm8k_async_dpo.py --model tiny` (`build_gsm8k`), holds one-step
+arithmetic word problems in GSM8k's format and an SFT policy that solves some of them; its reward is verifiable.
+
 Building toy worlds is not part of any algorithm, so every script imports it from here. `world.json` in the built
-folder records the measured agreements and win rates.
+folder records what the build measured.
 """
 import contextlib
 import json
@@ -135,7 +138,7 @@ def judge_tokens(tokenizer, query: str, tokens: list[int]) -> float:
     return judge(query, tokenizer.decode(tokens[:-1] if has_eos else tokens), has_eos)
 
 
-def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int):
+def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: float = 3e-3, batch_size: int = 32):
     """SFT on the summary tokens only (the prompt is masked): trained on whole sequences, a model this small spends
     itself on modelling random posts and never learns to summarise."""
     from transformers import GPTNeoXForCausalLM
@@ -143,10 +146,10 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int):
     torch.manual_seed(seed)
     rng = random.Random(seed)
     policy = GPTNeoXForCausalLM(config)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     for _ in range(steps):
-        batch = rng.sample(rows, 32)
+        batch = rng.sample(rows, batch_size)
         queries, summaries = encode(tokenizer, [r["query"] for r in batch]), encode(
             tokenizer, [r["reference_response"] for r in batch])
         input_ids, mask = right_pad([q + s for q, s in zip(queries, summaries)], tokenizer.eos_token_id)
@@ -381,6 +384,14 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
                       proxy_gold_agreement=agreement(proxy_scored, gold_scored),
                       proxy_judge_agreement=agreement(proxy_scored, judged),
                       gold_probes=probe_agreement(gold, tokenizer, validation[:256], val_prompts))
+    report["build_seconds"] = round(time.time() - started, 1)
+    save_world(tiny_dir, splits, {"sft": policy, "gold": gold, "proxy": proxy}, tokenizer, report)
+    return paths
+
+
+def save_world(tiny_dir: str, splits: dict, models: dict, tokenizer, report: dict) -> None:
+    """Write the data (one jsonl file per split), the models with the tokenizer and `world.json` to a folder beside
+    `tiny_dir`, then rename it into place: an interrupted build leaves no half-built world behind."""
     parent = os.path.dirname(os.path.abspath(tiny_dir))
     os.makedirs(parent, exist_ok=True)
     build_dir = tempfile.mkdtemp(prefix=".building-", dir=parent)
@@ -388,17 +399,15 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
     for split, rows in splits.items():
         with open(os.path.join(build_dir, "data", f"{split}.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
-    for name, model in (("sft", policy), ("gold", gold), ("proxy", proxy)):
+    for name, model in models.items():
         model.save_pretrained(os.path.join(build_dir, name))
         tokenizer.save_pretrained(os.path.join(build_dir, name))
-    report["build_seconds"] = round(time.time() - started, 1)
     with open(os.path.join(build_dir, "world.json"), "w") as f:
         json.dump(report, f, indent=1)
     try:
         os.rename(build_dir, tiny_dir)
     except OSError:  # another process finished the same (deterministic) build first
         shutil.rmtree(build_dir, ignore_errors=True)
-    return paths
 
 
 @torch.no_grad()
@@ -426,7 +435,7 @@ def build_untrained(cache_dir: str, hidden_size: int, num_layers: int) -> tuple[
     Returns the policy's, the reward model's and the dataset's folders."""
     cache_dir = os.path.expanduser(cache_dir)
     paths = tuple(os.path.join(cache_dir, name) for name in ("sft", "reward", "data"))
-    if os.path.exists(os.path.join(cache_dir, "READY")):
+    if os.path.exists(os.path.join(cache_dir, "world.json")):
         return paths
     import transformers
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
@@ -439,20 +448,112 @@ def build_untrained(cache_dir: str, hidden_size: int, num_layers: int) -> tuple[
                                num_attention_heads=4, intermediate_size=4 * hidden_size, max_position_embeddings=512,
                                bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, num_labels=1)
         models = {"sft": GPTNeoXForCausalLM(config), "reward": GPTNeoXForSequenceClassification(config)}
-    os.makedirs(os.path.join(cache_dir, "data"), exist_ok=True)
-    for split, rows in splits.items():
-        with open(os.path.join(cache_dir, "data", f"{split}.jsonl"), "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    for name, model in models.items():
-        model.save_pretrained(os.path.join(cache_dir, name))
-        tokenizer.save_pretrained(os.path.join(cache_dir, name))
-    open(os.path.join(cache_dir, "READY"), "w").close()
+    save_world(cache_dir, splits, models, tokenizer, {})
     return paths
 
 
-if __name__ == "__main__":  # build (or show) the world: python tiny_world.py [folder]
+# ---------------------------------------------------------------------------------------------------------------
+# The GSM8k miniature (`gsm8k_async_dpo.py --model tiny`)
+# ---------------------------------------------------------------------------------------------------------------
+MATH_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the paper's GSM8k prompt (gsm8k_async_dpo.py)
+MATH_NAMES = "Tom Anna Ben Mia Sam Lily Max Zoe".split()
+MATH_ITEMS = "pencils apples stickers marbles books coins shells cards".split()
+MATH_TEMPLATES = [  # (operation, question, worked solution line)
+    ("+", "{n} has {a} {x}. {n} buys {b} more. How many {x} does {n} have now?", "{n} has {a} + {b} = {c} {x} now."),
+    ("+", "{n} found {a} {x} on Monday and {b} {x} on Tuesday. How many {x} did {n} find in all?",
+     "{n} found {a} + {b} = {c} {x} in all."),
+    ("-", "{n} has {a} {x}. {n} gives {b} away. How many {x} does {n} have left?",
+     "{n} has {a} - {b} = {c} {x} left."),
+    ("-", "There are {a} {x} in a pile. {n} takes {b} of them. How many {x} are left in the pile?",
+     "There are {a} - {b} = {c} {x} left."),
+]
+
+
+def make_math_problem(rng: random.Random) -> tuple[tuple, dict]:
+    """One GSM8k-shaped row (`question`, and an `answer` of a worked line then "#### N") with its arithmetic fact."""
+    operation, question, solution = rng.choice(MATH_TEMPLATES)
+    a, b = rng.randint(1, 30), rng.randint(1, 30)
+    if operation == "-":
+        a, b = max(a, b), min(a, b)
+    fields = dict(n=rng.choice(MATH_NAMES), x=rng.choice(MATH_ITEMS), a=a, b=b, c=a + b if operation == "+" else a - b)
+    return (operation, a, b), {"question": question.format(**fields),
+                               "answer": solution.format(**fields) + f"\n#### {fields['c']}"}
+
+
+def build_math_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A byte-level BPE whose pre-tokenizer isolates every digit (with its leading space): one token per digit makes
+    arithmetic learnable at this size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?\d"), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS)
+    assert all(len(tokenizer.encode(f"{space}{digit}")) == 1 for space in ("", " ") for digit in range(10))
+    assert tokenizer.encode(" 23") == tokenizer.encode(" 2") + tokenizer.encode("3")
+    return tokenizer
+
+
+def math_pass_at_1(policy, tokenizer, rows: list[dict]) -> float:
+    """Greedy pass@1: the text after the last "####" of the completion equals the reference's."""
+    prompts = encode(tokenizer, [MATH_PROMPT.format(question=r["question"]) for r in rows])
+    completions = sample(policy, prompts, tokenizer.eos_token_id, 0.0, 32)
+    answers = [tokenizer.decode(c, skip_special_tokens=True).split("####")[-1].strip() for c in completions]
+    return sum(a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)) / len(rows)
+
+
+def build_gsm8k(tiny_dir: str, sft_steps: int = 600) -> tuple[str, str]:
+    """Build the GSM8k miniature once (cached in `tiny_dir`): one-step addition and subtraction word problems with
+    numbers up to 30 in four phrasings (`train` and a fixed 200-problem `test` split, GSM8k's column names; no
+    training problem shares its operation and operands with a test problem), and a GPT-NeoX SFT policy (hidden 256,
+    4 layers) trained on the worked solutions. Returns the SFT policy's and the dataset's folders."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
+    if os.path.exists(os.path.join(tiny_dir, "world.json")):
+        return paths
+    import transformers
+    from transformers import GPTNeoXConfig
+
+    transformers.utils.logging.disable_progress_bar()
+    started = time.time()
+    with deterministic(0) as rng:
+        test, test_facts = [], set()
+        while len(test) < 200:
+            fact, row = make_math_problem(rng)
+            if fact not in test_facts:
+                test_facts.add(fact)
+                test.append(row)
+        train = []
+        while len(train) < 7000:
+            fact, row = make_math_problem(rng)
+            if fact not in test_facts:
+                train.append(row)
+        tokenizer = build_math_tokenizer([r["question"] + " " + r["answer"] for r in train])
+        eos = tokenizer.eos_token_id
+        config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                               intermediate_size=1024, max_position_embeddings=512, bos_token_id=eos,
+                               eos_token_id=eos)
+        sft_rows = [{"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
+                    for r in train]
+        # (measured: lr 3e-3 at batch 32 memorises the training facts and stays under 10% on the test facts; at lr
+        # 1e-3, batch 64, test pass@1 grows with the steps: ~0.1 at 300, ~0.3 at 600, ~0.44 at 900)
+        policy = train_sft(config, tokenizer, sft_rows, seed=0, steps=sft_steps, lr=1e-3, batch_size=64)
+        report = {"sft_steps": sft_steps, "sft_test_pass_at_1": math_pass_at_1(policy, tokenizer, test),
+                  "sft_train_pass_at_1": math_pass_at_1(policy, tokenizer, train[:200])}
+    report["build_seconds"] = round(time.time() - started, 1)
+    save_world(tiny_dir, {"train": train, "test": test}, {"sft": policy}, tokenizer, report)
+    return paths
+
+
+if __name__ == "__main__":  # build (or show) a world: python tiny_world.py [tldr|gsm8k] [folder]
     import sys
 
-    folder = sys.argv[1] if len(sys.argv) > 1 else "~/.cache/async-rlhf/tiny-v3"
-    build_tldr(folder)
+    kind = sys.argv[1] if len(sys.argv) > 1 else "tldr"
+    folder = sys.argv[2] if len(sys.argv) > 2 else f"~/.cache/async-rlhf/{'tiny-v3' if kind == 'tldr' else 'gsm8k-v1'}"
+    (build_tldr if kind == "tldr" else build_gsm8k)(folder)
     print(open(os.path.join(os.path.expanduser(folder), "world.json")).read())

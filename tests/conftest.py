@@ -24,3 +24,13 @@ def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 600, 
     """Run one of the repository's scripts as a user would, returning its exit code and output."""
     return subprocess.run([*launcher, *([] if launcher else [sys.executable]), os.path.join(REPO, script), *flags],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir(tmp_path_factory) -> str:
+    """The GSM8k miniature (ASYNC_RLHF_TEST_GSM8K_DIR reuses a built one, as ASYNC_RLHF_TEST_TINY_DIR does)."""
+    import tiny_world
+
+    gsm8k_dir = os.environ.get("ASYNC_RLHF_TEST_GSM8K_DIR") or str(tmp_path_factory.mktemp("gsm8k") / "world")
+    tiny_world.build_gsm8k(gsm8k_dir)
+    return gsm8k_dir

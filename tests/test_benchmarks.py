@@ -26,7 +26,7 @@ def test_tiny_curves_quick(tiny_dir, tmp_path):
 def test_gpu_check_runs_on_the_cpu():
     """benchmarks/gpu_check.py checks the GPU code paths through the scripts' own functions; without a GPU it runs
     them on the CPU, which keeps it working until a GPU runs it."""
-    result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=300)
+    result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     for check in ("(a) step 1", "(b) reduce_sums and share over gloo: ok", "(c) version 5", "all checks passed"):
         assert check in result.stdout, result.stdout
@@ -40,3 +40,13 @@ def test_gpu_check_prints_the_memory_table():
     # PPO trains a value model too: each preset needs more than under DPO
     totals = [float(row.split("**")[1].split()[0]) for row in rows]
     assert all(ppo > dpo for dpo, ppo in zip(totals[:3], totals[3:]))
+
+
+def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
+    plot = tmp_path / "plot.png"
+    result = run_script("--quick", "--tiny_dir", gsm8k_dir, "--plot_path", str(plot),
+                        script=os.path.join("benchmarks", "gsm8k_async_vs_sync.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| async | 1 |" in result.stdout and "| sync | 1 |" in result.stdout and "speed-up" in result.stdout
+    assert "| [0, 1] |" in result.stdout and "| [0] |" in result.stdout  # the staleness each schedule produced
+    assert plot.stat().st_size > 1000

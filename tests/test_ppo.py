@@ -158,7 +158,8 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
 def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):
     """The paper code's pi_old, recomputed by the learner just before its update: the ratio is 1 at every step
     although the batch was sampled by weights a step behind (the generator gap says so)."""
-    steps, _ = run_ppo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs", "--gradient_checkpointing")
+    steps, _ = run_ppo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs",
+                       "--gradient_checkpointing", "True")
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(abs(r["policy/ratio_mean"] - 1) < 1e-5 and r["policy/approx_kl"] < 1e-9 for r in steps)
     assert all(abs(r["logps/generator_gap"]) > 1e-4 for r in steps[1:])

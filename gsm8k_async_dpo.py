@@ -1,0 +1,889 @@
+# Asynchronous Online DPO for math reasoning (Noukhovitch et al. 2024, "Asynchronous RLHF", arXiv 2410.18252): GSM8k.
+# async_dpo.py with a verifiable reward instead of a reward model: 1 if the final answer is right, else 0.
+# `--sync` gives the synchronous schedule of sync_baseline.py. Demo on CPU: `python gsm8k_async_dpo.py --model tiny`.
+import contextlib
+import ctypes
+import gc
+import json
+import math
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Literal, NoReturn, Optional
+
+import datasets
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import transformers
+import tyro
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import tiny_world
+
+PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k")}  # --model: (SFT policy, dataset) on the hub
+PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the format the SFT policy was trained on
+# `--model tiny` swaps in defaults that train a locally built toy model on 2 CPU cores in a few minutes.
+TINY_DEFAULTS = dict(
+    learning_rate=1e-4, temperature=1.0, response_length=32, max_prompt_length=128, total_episodes=3200,
+    batch_size=32, per_device_train_batch_size=16, eval_every=25, num_eval_prompts=200, eval_response_length=32,
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (learner and vLLM sampling)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "async-rlhf"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team) name"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, the generator's log and the saved model go (default: runs/{run_name})"""
+    save_model: bool = False
+    """save the final policy and tokenizer with save_pretrained to {output_dir}/model"""
+    verbose: bool = False
+    """show vLLM's own log on the console (by default it goes to {output_dir}/generator.log)"""
+
+    # Models and data
+    model: Literal["tiny", "rho-1b"] = "rho-1b"
+    """preset naming the SFT policy and dataset; `tiny` builds a GSM8k miniature locally for CPU"""
+    sft_model_path: Optional[str] = None
+    """SFT policy (hub name or local folder); also the frozen reference model. Overrides the preset"""
+    dataset: Optional[str] = None
+    """problems with `question` and `answer` columns, `train` and `test` splits (hub name or local folder)"""
+    dataset_config: Optional[str] = None
+    """the dataset's configuration on the hub (`main` for openai/gsm8k)"""
+    tiny_dir: str = "~/.cache/async-rlhf/gsm8k-v1"
+    """where `--model tiny` builds (once) and caches its toy model, tokenizer and dataset"""
+    sync: bool = False
+    """the synchronous schedule of sync_baseline.py: generate with the newest weights, then train on that batch"""
+
+    # Algorithm specific arguments (paper defaults for GSM8k)
+    learning_rate: float = 3e-6
+    """learning rate of AdamW, decayed linearly to 0"""
+    beta: float = 0.1
+    """DPO beta: strength of the implicit KL penalty towards the SFT reference"""
+    temperature: float = 0.7
+    """sampling temperature; the learner divides its logits by it too, so log-probs match the sampler"""
+    num_samples: int = 4
+    """K completions per prompt; a correct and an incorrect one form the DPO pair"""
+    response_length: int = 512
+    """maximum new tokens per completion"""
+    max_prompt_length: int = 512
+    """prompts longer than this keep their last tokens (where 'Solution:' sits)"""
+    total_episodes: int = 129024
+    """number of training prompts to consume (episodes)"""
+    batch_size: int = 256
+    """prompts per optimizer step, summed over all learner processes"""
+    per_device_train_batch_size: int = 8
+    """prompts per forward pass on one learner device; gradient accumulation makes up the rest"""
+    num_mini_batches: int = 1
+    """N: generate N mini-batches with one set of weights, then take N optimizer steps (the off-policyness knob)"""
+    num_epochs: int = 1
+    """T: passes over each generated batch"""
+    max_grad_norm: Optional[float] = 1.0
+    """clip gradients to this norm (None: no clipping)"""
+
+    # Evaluation
+    eval_every: int = 32
+    """evaluate every this many optimizer steps (0: only before and after training)"""
+    num_eval_prompts: int = 1319
+    """test problems per evaluation during training"""
+    num_final_eval_prompts: Optional[int] = None
+    """test problems in the final evaluation (default: the whole test split, 1,319 on GSM8k)"""
+    eval_temperature: float = 0.0
+    """sampling temperature for evaluation (0: greedy, the paper's pass@1)"""
+    eval_response_length: int = 512
+    """maximum new tokens per evaluation completion"""
+
+    # Systems
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """vLLM and reference model dtype, the learner's autocast dtype (default: bfloat16 on GPU, else float32)"""
+    gradient_checkpointing: Optional[bool] = None
+    """recompute activations in the backward pass instead of storing them (default: on, but off for tiny)"""
+    vllm_gpu_memory_utilization: float = 0.9
+    """fraction of GPU 0's memory vLLM may use (lower it when the learner shares that GPU)"""
+    generator_cores: int = 1
+    """CPU runs only: cores reserved for the generator; the learner gets the rest"""
+    fsdp: bool = False
+    """under torchrun, shard all models over the learners with FSDP2 instead of replicating the policy with DDP"""
+
+    # to be filled in at runtime
+    run_name: str = ""
+    """`{model}__{exp_name}__{seed}__{time}`"""
+    world_size: int = 1
+    """number of learner processes (torchrun)"""
+    local_batch_size: int = 0
+    """prompts per optimizer step on one learner process"""
+    gradient_accumulation_steps: int = 0
+    """forward passes per optimizer step on one learner process"""
+    num_rounds: int = 0
+    """generation rounds: each produces num_mini_batches * batch_size prompts x num_samples completions"""
+    num_steps: int = 0
+    """optimizer steps in total"""
+
+
+def parse_args() -> Args:
+    # `--model tiny` needs its own defaults (small batches, short responses), which flags still override.
+    # tyro cannot see the preset before parsing, so peek at it.
+    argv = sys.argv[1:]
+    tiny = "--model=tiny" in argv or any(a == "--model" and argv[i + 1: i + 2] == ["tiny"] for i, a in enumerate(argv))
+    return tyro.cli(Args, default=Args(model="tiny", **TINY_DEFAULTS) if tiny else Args())
+
+
+def fail(message: str) -> NoReturn:
+    """Stop early with a one-line error naming the bad flag or file."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def compute_batch_sizes(args: Args, world_size: int) -> None:
+    """Fill in the runtime fields of Args, rejecting values that make no sense or do not divide."""
+    for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size", "per_device_train_batch_size",
+                 "num_mini_batches", "num_epochs", "num_eval_prompts", "eval_response_length", "generator_cores",
+                 "temperature"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name} must be positive, got {getattr(args, name)}")
+    local_batch_size, prompts_per_round = args.batch_size // world_size, args.batch_size * args.num_mini_batches
+    for bad, message in [
+        (args.num_samples < 2, f"--num_samples must be at least 2 (a DPO pair needs two), got {args.num_samples}"),
+        (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
+        (args.eval_every < 0, f"--eval_every must be 0 (off) or positive, got {args.eval_every}"),
+        (not 0 < args.vllm_gpu_memory_utilization <= 1, "--vllm_gpu_memory_utilization must be in (0, 1]"),
+        ((args.num_final_eval_prompts or world_size) < world_size, "--num_final_eval_prompts is below the number "
+         "of learner processes"),
+        (args.fsdp and world_size == 1, "--fsdp shards over several learner processes: launch with torchrun"),
+        (args.batch_size % world_size, f"--batch_size {args.batch_size} must divide over {world_size} processes"),
+        (local_batch_size % args.per_device_train_batch_size, f"--per_device_train_batch_size "
+         f"{args.per_device_train_batch_size} must divide the per-process batch ({local_batch_size} prompts)"),
+        (args.total_episodes < prompts_per_round, f"--total_episodes {args.total_episodes} is smaller than one "
+         f"generation round (--batch_size x --num_mini_batches = {prompts_per_round})"),
+    ]:
+        if bad:
+            fail(message)
+    args.world_size, args.local_batch_size = world_size, local_batch_size
+    args.gradient_accumulation_steps = local_batch_size // args.per_device_train_batch_size
+    args.num_rounds = args.total_episodes // prompts_per_round
+    args.num_steps = args.num_rounds * args.num_mini_batches * args.num_epochs
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.model != "tiny"
+
+
+def episodes_at(step: int, args: Args) -> int:
+    """Training prompts consumed after `step` optimizer steps. A round's N mini-batches are consumed by its first
+    epoch; further epoches (--num_epochs) revisit them without consuming new prompts."""
+    steps_per_round = args.num_mini_batches * args.num_epochs
+    rounds, step_in_round = divmod(step, steps_per_round)
+    return (rounds * args.num_mini_batches + min(step_in_round, args.num_mini_batches)) * args.batch_size
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data and models
+# ---------------------------------------------------------------------------------------------------------------
+def load_problem_splits(dataset: str, config: Optional[str]):
+    """Load the train and test splits from a hub name (with its configuration) or a local folder of split files.
+    Rejects data without the `question`/`answer` columns."""
+    if not os.path.exists(dataset) and ("/" not in dataset or dataset.startswith((".", "/", "~"))):
+        fail(f"--dataset {dataset}: no such folder")
+    try:
+        splits = datasets.load_dataset(dataset, config)
+    except Exception as e:  # offline hub names, unreadable files, a missing configuration
+        fail(f"--dataset {dataset}: could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    for split in ("train", "test"):
+        if split not in splits:
+            fail(f"--dataset {dataset}: no '{split}' split (found {sorted(splits)})")
+        missing = {"question", "answer"} - set(splits[split].column_names)
+        if missing:
+            fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
+                 f"found {splits[split].column_names}")
+    return splits["train"], splits["test"]
+
+
+def check_model_path(flag: str, path: str) -> None:
+    """Fail early, naming the flag, when a model is neither a local folder nor loadable from the hub."""
+    if path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        fail(f"--{flag} {path}: no such folder")
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as e:
+        fail(f"--{flag} {path}: not a local model folder and could not be loaded from the hub "
+             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
+def prepare_policy(policy: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Training mode with dropout off (the log-prob ratios of RLHF should not carry dropout noise), and optionally
+    activation checkpointing, which transformers applies in training mode only (`GradientCheckpointingLayer`)."""
+    for module in policy.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy.train()
+
+
+def tokenize_prompts(tokenizer, questions: list[str], max_length: int) -> list[list[int]]:
+    """Token ids per prompt in the paper's format; long prompts keep their end, where 'Solution:' sits."""
+    texts = [PROMPT.format(question=question) for question in questions]
+    return [ids[-max_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The number after the first "####", commas removed (GSM8k's answer format); None when there is none."""
+    match = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
+    return match.group(1).replace(",", "") if match else None
+
+
+def correctness(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
+    """The verifiable reward: 1 where the completion's final answer equals the reference answer's, else 0."""
+    predicted = [extract_answer(text) for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
+    return torch.tensor([float(p is not None and p == extract_answer(a)) for p, a in zip(predicted, answers)])
+
+
+def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list[list[int]], list[bool]]:
+    """Cut each completion after its first EOS (and at `length`); report which ones emitted EOS."""
+    cut, has_eos = [], []
+    for tokens in responses:
+        tokens = list(tokens[:length])
+        has_eos.append(eos_id in tokens)
+        cut.append(tokens[: tokens.index(eos_id) + 1] if has_eos[-1] else tokens)
+    return cut, has_eos
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device: torch.device):
+    """Left-pad the prompts and right-pad the responses, each only to this micro-batch's own longest, so that every
+    response starts at the same column. Position ids skip the left padding, so they match unpadded sequences.
+    Returns the model inputs and the mask of the response tokens."""
+    prompt_width, response_width = max(map(len, prompts)), max(map(len, responses))
+    ids = [[pad_id] * (prompt_width - len(p)) + p + r + [pad_id] * (response_width - len(r))
+           for p, r in zip(prompts, responses)]
+    mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(r)) + [0] * (response_width - len(r))
+            for p, r in zip(prompts, responses)]
+    input_ids, attention_mask = torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0), use_cache=False)
+    return inputs, attention_mask[:, prompt_width:]
+
+
+def sequence_logprobs(model, inputs: dict, response_mask: torch.Tensor, temperature: float):
+    """Summed log-probs of each response under `model`, with logits divided by the sampling temperature so they
+    match the distribution vLLM sampled from. Returns (sum of log-probs, number of response tokens)."""
+    width = response_mask.shape[1]
+    # Only the logits that predict response tokens: saves a [batch, prompt_length, vocab] tensor.
+    logits = model(**inputs, logits_to_keep=width + 1).logits[:, :-1]
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    token_logprobs = logprobs.gather(2, inputs["input_ids"][:, -width:, None]).squeeze(-1)
+    return (token_logprobs * response_mask).sum(1), response_mask.sum(1)
+
+
+@torch.no_grad()
+def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float, chunk: int, pad_id: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    logps, counts = zip(*[sequence_logprobs(model, *collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id,
+                                                            device), temperature)
+                          for i in range(0, len(prompts), chunk)])
+    return torch.cat(logps).cpu(), torch.cat(counts).cpu()
+
+
+def select_pairs(scores: torch.Tensor):
+    """scores [prompts, K] -> (chosen index, rejected index, valid). Chosen is a correct completion, rejected an
+    incorrect one; a prompt whose K completions are all right or all wrong gives no pair (valid=False)."""
+    return scores.argmax(1), scores.argmin(1), scores.max(1).values > scores.min(1).values
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float) -> torch.Tensor:
+    """Per-pair DPO loss: -log sigmoid(beta * ((log pi(y+) - log ref(y+)) - (log pi(y-) - log ref(y-))))."""
+    return -F.logsigmoid(beta * ((chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)))
+
+
+def dpo_update(policy, optimizer, scheduler, micro_batches: list[dict], num_valid: float, args: Args, pad_id: int,
+               device: torch.device, autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step on one mini-batch, accumulating gradients over its micro-batches. The loss is the mean over
+    the valid pairs of all ranks (DDP and FSDP average gradients over ranks, hence the world_size factor).
+    Returns the per-pair losses and the policy's chosen and rejected log-probs (CPU, detached)."""
+    outputs = []
+    for i, micro in enumerate(micro_batches):
+        sync_gradients = i == len(micro_batches) - 1
+        if args.fsdp:  # FSDP2's form of DDP's no_sync
+            policy.set_requires_gradient_sync(sync_gradients)
+        skip_sync = args.world_size > 1 and not args.fsdp and not sync_gradients
+        inputs, response_mask = collate(micro["prompts"] * 2, micro["chosen"] + micro["rejected"], pad_id, device)
+        with policy.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
+            chosen_logps, rejected_logps = sequence_logprobs(policy, inputs, response_mask,
+                                                             args.temperature)[0].chunk(2)
+            losses = dpo_loss(chosen_logps, rejected_logps, micro["ref_chosen_logps"].to(device),
+                              micro["ref_rejected_logps"].to(device), args.beta)
+            ((losses * micro["valid"].to(device)).sum() * args.world_size / num_valid).backward()
+        outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
+    if args.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return torch.cat(outputs, dim=1).unbind()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight hand-off: one persistent shared buffer, written by the learner, read by the generator
+# ---------------------------------------------------------------------------------------------------------------
+def weight_table(model: torch.nn.Module) -> list:
+    """(name, offset, shape) of every parameter in one flat buffer, in the order of model.parameters()."""
+    table, offset = [], 0
+    for name, param in model.named_parameters():
+        table.append((name, offset, tuple(param.shape)))
+        offset += param.numel()
+    return table
+
+
+def make_weight_buffer(table: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate, once, a flat buffer for every parameter. On CPU it lives in shared memory; on GPU torch shares it
+    with the generator via CUDA IPC when it is passed to the spawned process."""
+    _, offset, shape = table[-1]
+    buffer = torch.empty(offset + math.prod(shape), dtype=dtype, device=device)
+    return buffer.share_memory_() if device.type == "cpu" else buffer
+
+
+@torch.no_grad()
+def write_weight_snapshot(model: torch.nn.Module, buffer: Optional[torch.Tensor], table: list) -> None:
+    """Copy the current parameters into the buffer: the generator sees a snapshot, never tensors the optimizer is
+    about to change. Safe to call only when the generator is not reading (see the schedule in the main loop).
+    Every rank calls it (under FSDP2, gathering a sharded parameter is a collective); only rank 0 has a buffer."""
+    from torch.distributed.tensor import DTensor
+
+    for (name, offset, shape), param in zip(table, model.parameters()):
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if buffer is not None:
+            buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
+    if buffer is not None and buffer.is_cuda:
+        # copy_ only queues kernels on our stream; the generator reads the memory from another process, so the
+        # copies must be finished before the request that makes it read is sent.
+        torch.cuda.current_stream(buffer.device).synchronize()
+
+
+def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
+    return [(name, buffer[offset: offset + math.prod(shape)].view(shape)) for name, offset, shape in table]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generator process: owns the vLLM engine
+# ---------------------------------------------------------------------------------------------------------------
+# The paper ran vLLM in a thread of the learner and lost ~15-20% of each step to the GIL. A spawned process
+# shares no GIL, and it keeps vLLM's side effects out of the learner: vLLM patches transformers' GPTNeoX classes
+# and initialises torch.distributed in whatever process builds the engine.
+def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list, requests, results,
+                   cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the learner, which shuts us down
+    with contextlib.suppress(OSError):  # PR_SET_PDEATHSIG: die with the learner, whatever happens
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    try:
+        if log_path:  # vLLM's start-up warnings and messages go to a file, not the user's console (--verbose)
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            for stream in (1, 2):
+                os.dup2(log_fd, stream)
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+            os.environ.pop(var, None)  # torchrun's variables describe the learners, not this engine
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # build the engine inside this process
+        os.environ["TMPDIR"] = tempfile.tempdir = run_tmp_dir  # vLLM's rendezvous files; the learner removes them
+        if cores:  # before vLLM starts: its CPU worker makes later set_num_threads calls no-ops
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(**engine_kwargs)
+        results.put(dict(kind="ready"))
+        loaded_version = 0  # the engine starts from the SFT checkpoint, which is the learner's version 0
+        while (request := requests.get()) is not None:
+            load_start = time.time()
+            if request["weights_version"] != loaded_version:
+                # In place (vllm/model_executor/model_loader/reload/inplace.py): captured CUDA graphs stay valid
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
+                    weight_buffer, weight_layout)})
+                llm.reset_prefix_cache()  # without this, cached prompt states from the old weights are reused
+                if torch.cuda.is_available():  # done reading the buffer before the learner may rewrite it
+                    torch.cuda.synchronize()
+                loaded_version = request["weights_version"]
+            sampling = SamplingParams(n=request["n"], temperature=request["temperature"],
+                                      max_tokens=request["max_tokens"], logprobs=0, detokenize=False)
+            generation_start = time.time()
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling,
+                                   use_tqdm=False)
+            # time.time() is one clock for both processes: the learner places these on its timeline
+            results.put(dict({k: v for k, v in request.items() if k != "prompts"}, generation_version=loaded_version,
+                             responses=[list(c.token_ids) for out in outputs for c in out.outputs],
+                             logprobs=[c.cumulative_logprob for out in outputs for c in out.outputs],
+                             weight_load_start=load_start, generation_start=generation_start,
+                             generation_end=time.time()))
+    except BaseException:
+        results.put(dict(kind="error", traceback=traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list, cores: Optional[list],
+                    log_path: Optional[str]):
+    """Spawn the generator with a one-slot queue each way. Returns (process, requests, results, its temp folder)."""
+    run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
+    ctx = mp.get_context("spawn")
+    requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
+    generator = ctx.Process(target=generator_main, args=(engine_kwargs, weight_buffer, weight_layout, requests,
+                                                         results, cores, run_tmp_dir, log_path))
+    generator.start()
+    return generator, requests, results, run_tmp_dir
+
+
+def stop_generator(generator, requests, run_tmp_dir: str) -> None:
+    with contextlib.suppress(queue.Full, ValueError, OSError):
+        requests.put_nowait(None)  # a polite stop, seen if the generator is idle
+    generator.join(timeout=2)
+    for stop in (generator.terminate, generator.kill):  # then less polite ones
+        if generator.is_alive():
+            stop()
+            generator.join(timeout=3)
+    shutil.rmtree(run_tmp_dir, ignore_errors=True)
+
+
+class GeneratorError(RuntimeError):
+    pass
+
+
+def check_generator(generator) -> None:
+    if not generator.is_alive():
+        raise GeneratorError(f"the generator process exited unexpectedly (exit code {generator.exitcode})")
+
+
+def send(requests, request: dict, generator) -> None:
+    """Put on the one-slot request queue, without hanging if the generator has died."""
+    while True:
+        try:
+            return requests.put(request, timeout=0.5)
+        except queue.Full:
+            check_generator(generator)
+
+
+def receive(results, generator) -> dict:
+    """Take from the one-slot result queue, without hanging if the generator has died; re-raise its error."""
+    while True:
+        try:
+            message = results.get(timeout=0.5)
+        except queue.Empty:
+            if generator.is_alive():
+                continue
+            try:  # it may have reported its error just before exiting
+                message = results.get(timeout=1.0)
+            except queue.Empty:
+                check_generator(generator)
+                continue
+        if message["kind"] == "error":
+            raise GeneratorError("the generator process failed:\n" + message["traceback"])
+        return message
+
+
+def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:
+    return dict(kind="train", round=round_index, weights_version=version, prompts=prompts, n=args.num_samples,
+                temperature=args.temperature, max_tokens=args.response_length)
+
+
+def eval_request(version: int, prompts: list, args: Args, final: bool = False) -> dict:
+    return dict(kind="eval", final=final, weights_version=version, prompts=prompts, n=1,
+                temperature=args.eval_temperature, max_tokens=args.eval_response_length)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learner ranks (torchrun): rank 0 talks to the generator and shares what it hears
+# ---------------------------------------------------------------------------------------------------------------
+def init_learner_group(use_cuda: bool) -> None:
+    # One group with a backend per device: DDP/FSDP reduce GPU tensors over NCCL, while reduce_sums and
+    # broadcast_object_list work on CPU tensors, which NCCL cannot carry (torch.distributed: "cpu:gloo,cuda:nccl").
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+
+
+def share(obj, rank: int, world_size: int):
+    """Rank 0 talks to the generator; the other learner ranks get its messages (and its errors) from here."""
+    if world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0] if rank == 0 else GeneratorError(f"rank 0 stopped: {box[0]}")
+    return box[0]
+
+
+def reduce_sums(sums: dict, world_size: int) -> dict:
+    """Sum scalar statistics over learner ranks (each rank holds an equal shard of the batch)."""
+    if world_size == 1:
+        return sums
+    values = torch.tensor(list(sums.values()), dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(sums, values.tolist()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation and logging
+# ---------------------------------------------------------------------------------------------------------------
+def evaluate(responses: list, prompts: list, answers: list, ref_policy, tokenizer, args: Args, pad_id: int,
+             eos_id: int, device: torch.device) -> dict:
+    """Sums over this rank's evaluation problems: correct answers (pass@1 of the greedy answers), and the SFT
+    model's log-probs of the answers (their perplexity)."""
+    responses, has_eos = truncate_at_eos(responses, args.eval_response_length, eos_id)
+    logps, counts = logprobs_in_chunks(ref_policy, prompts, responses, 1.0, args.per_device_train_batch_size * 2,
+                                       pad_id, device)
+    return {"count": len(responses), "eos": sum(has_eos), "correct": correctness(tokenizer, responses, answers).sum()
+            .item(), "logp": logps.sum().item(), "tokens": counts.sum().item()}
+
+
+def eval_record(sums: dict, step: int, args: Args) -> dict:
+    n = int(sums["count"])
+    pass_at_1 = sums["correct"] / n
+    return {"step": step, "episode": episodes_at(step, args), "eval/num_prompts": n, "eval/pass_at_1": pass_at_1,
+            "eval/pass_at_1_stderr": math.sqrt(pass_at_1 * (1 - pass_at_1) / n),
+            "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)), "eval/eos_fraction": sums["eos"] / n}
+
+
+def timeline(origin: float, **phases: tuple[float, float]) -> dict:
+    """`timeline/{phase}_start` and `_end` in seconds since `origin` (when training began): benchmarks/timeline.py
+    draws them."""
+    return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
+            for edge, t in zip(("start", "end"), span)}
+
+
+def log(record: dict, metrics_file, track: bool) -> None:
+    """One line of metrics.jsonl (and a wandb step with --track). Only rank 0 has a metrics file."""
+    if metrics_file is None:
+        return
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+    if track:
+        import wandb
+
+        wandb.log({k: wandb.Table(columns=["prompt", "response"], data=[list(s.values()) for s in v])
+                   if k == "eval/samples" else v for k, v in record.items()})
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    compute_batch_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    # A run that names its own model and data does not need the tiny world built.
+    if args.model == "tiny" and None in (args.sft_model_path, args.dataset):
+        sft, data = tiny_world.build_gsm8k(args.tiny_dir)
+    else:
+        sft, data = PRESETS.get(args.model, (None, None))
+    args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
+    if args.dataset == "openai/gsm8k" and args.dataset_config is None:
+        args.dataset_config = "main"
+    check_model_path("sft_model_path", args.sft_model_path)
+    train_data, eval_data = load_problem_splits(args.dataset, args.dataset_config)
+    args.run_name = f"{args.model}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
+
+    # Devices: vLLM owns GPU 0, learner rank i uses GPU i+1 of its node (or shares GPU 0 when there are too few).
+    # On CPU the generator gets its own cores, so that generation and training really run side by side.
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        device = torch.device("cuda", local_rank + 1 if torch.cuda.device_count() > local_world_size else local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        all_cores = sorted(os.sched_getaffinity(0))
+        generator_cores = all_cores[-args.generator_cores:] if len(all_cores) > args.generator_cores else None
+        learner_cores = all_cores[: -args.generator_cores] if generator_cores else all_cores
+        os.sched_setaffinity(0, learner_cores)
+        torch.set_num_threads(max(1, len(learner_cores) // args.world_size))
+    shares_gpu0 = use_cuda and device.index == 0
+    dtype_name = args.dtype or ("bfloat16" if use_cuda else "float32")
+    dtype = getattr(torch, dtype_name)
+    if args.world_size > 1:
+        init_learner_group(use_cuda)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    # Logging (rank 0 only): metrics.jsonl, and wandb with --track
+    metrics_file = None
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name, config=asdict(args),
+                       dir=args.output_dir, save_code=True)
+            wandb.define_metric("step")
+            wandb.define_metric("*", step_metric="step")
+        print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds of "
+              f"{args.batch_size * args.num_mini_batches} prompts x {args.num_samples} samples; metrics in "
+              f"{args.output_dir}/metrics.jsonl", flush=True)
+
+    # Generator process (rank 0), started before the learner loads its models: when both share GPU 0, vLLM must
+    # measure the free memory first. The weight buffer's layout comes from the config alone (no weights loaded).
+    config = AutoConfig.from_pretrained(args.sft_model_path)
+    with torch.device("meta"):
+        weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
+    generator, requests, results, run_tmp_dir, weight_buffer = None, None, None, None, None
+    if rank == 0:
+        max_model_len = args.max_prompt_length + max(args.response_length, args.eval_response_length)
+        # processed_logprobs: log-probs of the distribution actually sampled, log_softmax(logits / temperature).
+        # enforce_eager on CPU only: on GPU, CUDA graphs make generation several times faster.
+        engine_kwargs = dict(model=args.sft_model_path, dtype=dtype_name, seed=args.seed, enforce_eager=not use_cuda,
+                             max_model_len=max_model_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                             logprobs_mode="processed_logprobs")
+        if not use_cuda:  # size the CPU KV cache for one round of sequences; vLLM's default takes 18 GiB
+            bytes_per_token = 2 * config.num_hidden_layers * config.hidden_size * dtype.itemsize
+            sequences = min(args.batch_size * args.num_mini_batches * args.num_samples, 256)
+            engine_kwargs["kv_cache_memory_bytes"] = min(max(bytes_per_token * max_model_len * sequences, 2**25),
+                                                         2**33)
+        weight_buffer = make_weight_buffer(weight_layout, dtype, device)
+        generator, requests, results, run_tmp_dir = start_generator(
+            engine_kwargs, weight_buffer, weight_layout, None if use_cuda else generator_cores,
+            None if args.verbose else os.path.join(args.output_dir, "generator.log"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+    def submit(request: dict) -> None:
+        if rank == 0:
+            send(requests, request, generator)
+
+    def collect() -> dict:
+        """The generator's next result, on every rank (rank 0 receives it and broadcasts it)."""
+        return share(receive(results, generator) if rank == 0 else None, rank, args.world_size)
+
+    progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
+    try:
+        if shares_gpu0:
+            collect()  # the engine's "ready": it has measured GPU 0's free memory and taken its share
+
+        # Models: the policy trains in float32 (under autocast on GPU); the frozen models are loaded in `dtype`
+        tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
+        if tokenizer.eos_token_id is None:
+            fail(f"--sft_model_path {args.sft_model_path}: the tokenizer has no EOS token")
+        eos_id = tokenizer.eos_token_id
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id  # masks say what is padding
+        policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device)
+        policy = prepare_policy(policy, args.gradient_checkpointing)
+        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=dtype).to(device)
+        ref_policy.eval().requires_grad_(False)
+        unwrapped_policy = policy
+        if args.fsdp:  # shard every transformer block, then each top-level piece (embeddings, heads) as its own
+            from torch.distributed.fsdp import fully_shard  # unit
+
+            for model in (policy, ref_policy):
+                for module in model.modules():
+                    if type(module).__name__ in (model._no_split_modules or []):
+                        fully_shard(module)
+                for child in model.children():
+                    fully_shard(child)
+                fully_shard(model)
+        elif args.world_size > 1:
+            policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if use_cuda else None,
+                                                               gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, fused=use_cuda)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / args.num_steps)
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
+
+        # Prompts: a fresh shuffle of the training split each pass. Evaluation prompts are sharded over the ranks
+        # by interleaving, so that each rank's share of the first num_eval_prompts is a prefix of its final share.
+        train_prompts = tokenize_prompts(tokenizer, train_data["question"], args.max_prompt_length)
+        train_answers = train_data["answer"]
+        prompts_per_round, K = args.batch_size * args.num_mini_batches, args.num_samples
+        passes = -(-args.num_rounds * prompts_per_round // len(train_prompts))
+        prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])
+        rounds = prompt_order[: args.num_rounds * prompts_per_round].reshape(args.num_rounds, prompts_per_round)
+        L, M = args.local_batch_size, args.per_device_train_batch_size
+        local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # mine
+        num_final = min(args.num_final_eval_prompts or len(eval_data), len(eval_data)) // args.world_size
+        eval_data = eval_data.select(range(num_final * args.world_size))
+        num_eval = min(args.num_eval_prompts, len(eval_data)) // args.world_size * args.world_size
+        eval_prompts = tokenize_prompts(tokenizer, eval_data["question"], args.max_prompt_length)
+        my_eval_prompts, my_eval_answers = eval_prompts[rank:: args.world_size], eval_data["answer"][rank::
+                                                                                                    args.world_size]
+        if not shares_gpu0:
+            collect()  # the engine's "ready": it was built while we loaded our models
+        training_start = None
+
+        def run_evaluation(message: dict) -> None:
+            """Grade an evaluation's answers on every rank, then log them (closes over the models and data)."""
+            start = time.time()
+            responses = message["responses"][rank:: args.world_size]
+            sums = evaluate(responses, my_eval_prompts[: len(responses)], my_eval_answers[: len(responses)],
+                            ref_policy, tokenizer, args, pad_id, eos_id, device)
+            record = eval_record(reduce_sums(sums, args.world_size), message["generation_version"], args)
+            record["time/eval"] = time.time() - start
+            record["time/elapsed"] = time.time() - training_start if training_start else 0.0
+            if training_start:
+                record.update(timeline(training_start, evaluation=(start, time.time()), eval_generation=(
+                    message["generation_start"], message["generation_end"])))
+            if rank == 0:
+                record["eval/samples"] = [dict(prompt=tokenizer.decode(my_eval_prompts[i])[-200:],
+                                               response=tokenizer.decode(truncate_at_eos(
+                                                   [responses[i]], args.eval_response_length, eos_id)[0][0]))
+                                          for i in range(min(3, len(responses)))]
+                tqdm.write(f"eval @ step {record['step']} ({record['eval/num_prompts']} problems): pass@1 "
+                           f"{record['eval/pass_at_1']:.3f} ± {record['eval/pass_at_1_stderr']:.3f}, perplexity "
+                           f"{record['eval/perplexity']:.3f}")
+                for sample in record["eval/samples"]:
+                    tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
+            log(record, metrics_file, args.track)
+
+        def next_batch(round_index: int) -> tuple[dict, float, tuple[float, float]]:
+            """Wait for the training batch of round `round_index`, grading any evaluation that arrives first. Returns
+            the batch, the time spent waiting (evaluation excluded) and when the wait began and ended."""
+            waited, wait_start = 0.0, time.time()
+            while True:
+                start = time.time()
+                message = collect()
+                waited += time.time() - start
+                if message["kind"] == "train":
+                    if message["round"] != round_index:
+                        raise RuntimeError(f"expected the batch of round {round_index}, got round {message['round']}")
+                    return message, waited, (wait_start, time.time())
+                run_evaluation(message)
+
+        # Evaluate the SFT policy, then start the clock
+        submit(eval_request(0, eval_prompts[:num_eval], args))
+        run_evaluation(collect())
+        training_start = time.time()
+
+        # Training loop. version = optimizer steps taken = the version of the policy's weights
+        version = synced_version = last_eval = 0  # the generator starts with version 0, the SFT weights
+        if not args.sync:
+            submit(train_request(0, version, [train_prompts[i] for i in rounds[0]], args))
+        for round_index in range(args.num_rounds):
+            round_start = time.time()
+            if not args.sync:  # ASYNC: this round's batch was generated while we trained on the previous one
+                batch, learner_wait, wait_span = next_batch(round_index)
+            # ASYNC: request the next round with the newest weights now, so it is generated while we train on this
+            # one. The buffer is free to rewrite: the generator loaded the previous weights before producing `batch`.
+            # SYNC (--sync): request this round with the newest weights, then wait for it: nothing overlaps.
+            sync_start = time.time()
+            if version != synced_version:
+                write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
+                synced_version = version
+            request_round = round_index if args.sync else round_index + 1
+            if request_round < args.num_rounds:
+                submit(train_request(request_round, version, [train_prompts[i] for i in rounds[request_round]], args))
+            if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
+                last_eval = version  # queued behind the training batch, which is never generated after it
+                submit(eval_request(version, eval_prompts[:num_eval], args))
+            sync_end = time.time()
+            if args.sync:
+                batch, learner_wait, wait_span = next_batch(round_index)
+
+            # Grade every completion of this rank's problems; a correct and an incorrect one of a problem form its pair
+            train_start = time.time()
+            prompts = [train_prompts[rounds[round_index][i]] for i in local]
+            answers = [train_answers[rounds[round_index][i]] for i in local]
+            responses, has_eos = truncate_at_eos([batch["responses"][i * K + k] for i in local for k in range(K)],
+                                                 args.response_length, eos_id)
+            scores = correctness(tokenizer, responses, [a for a in answers for _ in range(K)]).view(-1, K)
+            chosen, rejected, valid = select_pairs(scores)
+            first_completion = torch.arange(len(local)) * K
+            chosen_index, rejected_index = first_completion + chosen, first_completion + rejected
+            pairs = dict(prompts=prompts, chosen=[responses[i] for i in chosen_index],
+                         rejected=[responses[i] for i in rejected_index], valid=valid.float())
+            ref_logps, _ = logprobs_in_chunks(ref_policy, prompts * 2, pairs["chosen"] + pairs["rejected"],
+                                              args.temperature, M * 2, pad_id, device)
+            pairs["ref_chosen_logps"], pairs["ref_rejected_logps"] = ref_logps.chunk(2)
+            # The generator's log-probs of the same pairs: against the learner's they show how off-policy the data is
+            generator_logps = torch.tensor([batch["logprobs"][i * K + k] for i in local for k in range(K)])
+
+            # N mini-batches x T epochs of DPO updates on this round's pairs
+            for epoch in range(args.num_epochs):
+                for mini_batch in range(args.num_mini_batches):
+                    mb = slice(mini_batch * L, (mini_batch + 1) * L)
+                    num_valid = max(reduce_sums({"v": valid[mb].sum().item()}, args.world_size)["v"], 1.0)
+                    micro_batches = [{k: v[s: s + M] for k, v in pairs.items()} for s in range(mb.start, mb.stop, M)]
+                    losses, chosen_logps, rejected_logps = dpo_update(policy, optimizer, scheduler, micro_batches,
+                                                                      num_valid, args, pad_id, device, autocast)
+                    version += 1
+
+                    # Sums over this rank's share, reduced over ranks, then averaged per valid pair or per prompt
+                    mask = valid[mb].float()
+                    generator_gap = torch.cat([chosen_logps - generator_logps[chosen_index[mb]],
+                                               rejected_logps - generator_logps[rejected_index[mb]]])
+                    sums = reduce_sums({
+                        "loss/dpo": (losses * mask).sum().item(), "logps/chosen": (chosen_logps * mask).sum().item(),
+                        "logps/rejected": (rejected_logps * mask).sum().item(),
+                        "logps/generator_gap": (generator_gap * mask.repeat(2)).sum().item() / 2,
+                        "reward/accuracy": scores[mb].sum().item() / K, "pairs/fraction": valid[mb].sum().item(),
+                        "eos/fraction": sum(has_eos[mb.start * K: mb.stop * K]) / K}, args.world_size)
+                    record = {"step": version, "episode": episodes_at(version, args), "round": round_index,
+                              "generation_version": batch["generation_version"],
+                              "staleness": version - 1 - batch["generation_version"], "lr": scheduler.get_last_lr()[0],
+                              **{k: v / (num_valid if k.startswith(("loss", "logps")) else args.batch_size)
+                                 for k, v in sums.items()}}
+                    if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:  # the round's times
+                        spans = dict(weight_load=(batch["weight_load_start"], batch["generation_start"]),
+                                     generation=(batch["generation_start"], batch["generation_end"]),
+                                     learner_wait=wait_span, weight_sync=(sync_start, sync_end),
+                                     training=(train_start, time.time()))
+                        record.update({f"time/{phase}": end - start for phase, (start, end) in spans.items()})
+                        record.update(timeline(training_start, **spans))
+                        # the waiting time, evaluations scored meanwhile excluded; the whole round
+                        record.update({"time/learner_wait": learner_wait, "time/step": time.time() - round_start})
+                    record["time/elapsed"] = time.time() - training_start
+                    log(record, metrics_file, args.track)
+                    progress.update(1)
+                    progress.set_postfix(accuracy=f"{record['reward/accuracy']:.3f}", loss=f"{record['loss/dpo']:.3f}",
+                                         staleness=record["staleness"])
+
+        # Final evaluation (the whole test split by default) with the last weights, after any still in flight
+        write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
+        submit(eval_request(version, eval_prompts, args, final=True))
+        while True:
+            message = collect()
+            run_evaluation(message)
+            if message["final"]:
+                break
+        progress.close()
+        if args.save_model:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full_state = get_model_state_dict(unwrapped_policy, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True)) if args.fsdp else None  # a collective under FSDP2
+            if rank == 0:
+                unwrapped_policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
+                tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+                print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
+    except GeneratorError as error:
+        if args.world_size > 1 and rank == 0:
+            share(error, rank, args.world_size)  # let the other ranks stop too
+        progress.close()
+        hint = "\n(the learner shares GPU 0 with vLLM: lower --vllm_gpu_memory_utilization)" if shares_gpu0 else ""
+        log_hint = f"\nvLLM's log: {args.output_dir}/generator.log" if rank == 0 and not args.verbose else ""
+        print(f"error: {error}{hint}{log_hint}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    except KeyboardInterrupt:
+        progress.close()
+        print("interrupted: shutting down the generator", file=sys.stderr, flush=True)
+        raise SystemExit(130)
+    finally:
+        if generator is not None:
+            stop_generator(generator, requests, run_tmp_dir)
+        if metrics_file is not None:
+            metrics_file.close()
+            if args.track:
+                wandb.finish()
+        if args.world_size > 1 and dist.is_initialized():
+            # DDP's and FSDP's state holds the process group: free them first, so that the group is torn down while
+            # all it uses is alive (else a gloo thread can abort the process at exit, now and then)
+            policy = unwrapped_policy = ref_policy = optimizer = scheduler = None
+            gc.collect()
+            dist.destroy_process_group()

@@ -1,0 +1,116 @@
+"""async_rloo.py: leave-one-out advantages, the clipped sequence-level objective and the KL-penalised reward by
+hand, then end to end with real vLLM on CPU."""
+import sys
+
+import pytest
+import torch
+from conftest import run_script
+from test_end_to_end import EVAL_METRICS, SHORT_RUN, read_metrics
+
+from async_rloo import kl_penalised_rewards, rloo_advantages, rloo_loss
+
+STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "policy/clipfrac", "policy/approx_kl",
+                "policy/ratio_mean", "policy/ratio_max", "objective/kl", "objective/non_score_reward",
+                "objective/rlhf_reward", "advantage/std", "reward/mean", "eos/fraction", "logps/generator_gap",
+                "time/generation", "time/training", "time/weight_sync", "time/learner_wait", "lr"]
+
+
+def test_leave_one_out_advantages_k2():
+    # K = 2: each completion's baseline is the other one's reward
+    advantages = rloo_advantages(torch.tensor([[1.0, 3.0], [0.5, 0.5]]))
+    torch.testing.assert_close(advantages, torch.tensor([[-2.0, 2.0], [0.0, 0.0]]))
+
+
+def test_leave_one_out_advantages_k4():
+    # baselines: (2+3+6)/3, (1+3+6)/3, (1+2+6)/3, (1+2+3)/3
+    advantages = rloo_advantages(torch.tensor([[1.0, 2.0, 3.0, 6.0]]))
+    torch.testing.assert_close(advantages, torch.tensor([[1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0]]))
+    assert advantages.sum().item() == pytest.approx(0.0, abs=1e-6)  # the advantages of a prompt sum to 0
+
+
+def test_clipped_objective_at_and_beyond_the_clip():
+    logps = torch.log(torch.tensor([1.0, 1.2, 1.5, 1.5, 0.5])).requires_grad_()
+    advantages = torch.tensor([2.0, 1.0, 1.0, -1.0, -1.0])
+    losses, ratio, clipped = rloo_loss(logps, torch.zeros(5), advantages, cliprange=0.2)
+    torch.testing.assert_close(ratio.detach(), torch.tensor([1.0, 1.2, 1.5, 1.5, 0.5]))
+    # at the clip nothing is clipped; beyond it a positive advantage is capped at 1.2 A, a negative one keeps the
+    # larger unclipped loss, and below 0.8 a negative advantage is clipped to 0.8 A
+    torch.testing.assert_close(losses.detach(), torch.tensor([-2.0, -1.2, -1.2, 1.5, 0.8]))
+    assert clipped.tolist() == [False, False, True, False, True]
+    losses.sum().backward()
+    assert logps.grad[2] == 0 and logps.grad[4] == 0 and logps.grad[0] < 0 and logps.grad[3] > 0
+
+
+def test_kl_penalty_is_subtracted_from_the_score():
+    # a sample the policy likes more than the reference (log-ratio +2) pays 0.05 x 2; one it likes less gains
+    rewards, kl = kl_penalised_rewards(torch.tensor([1.0, 1.0]), torch.tensor([-3.0, -6.0]),
+                                       torch.tensor([-5.0, -5.0]), kl_coef=0.05)
+    torch.testing.assert_close(kl, torch.tensor([2.0, -1.0]))
+    torch.testing.assert_close(rewards, torch.tensor([0.9, 1.05]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end, real vLLM on CPU
+# ---------------------------------------------------------------------------------------------------------------
+def run_rloo(tiny_dir: str, out, *flags: str, **kwargs) -> tuple[list, list]:
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *flags,
+                        script="async_rloo.py", **kwargs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(str(out), step_metric="loss/policy")
+
+
+def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_path):
+    """The README's RLOO demo (the tiny defaults)."""
+    steps, evals = run_rloo(tiny_dir, tmp_path / "run")
+    assert [r["step"] for r in steps] == list(range(1, 61))
+    assert all(set(STEP_METRICS) <= set(r) for r in steps)
+    assert [r["staleness"] for r in steps] == [0] + [1] * 59
+    # Step 1: vLLM sampled with the learner's weights, so the sequence ratio is 1 within float error; from step 2
+    # the learner is a step ahead
+    first, later = steps[0], steps[1:21]
+    assert abs(first["policy/ratio_mean"] - 1) < 1e-4 and first["policy/ratio_max"] < 1 + 1e-3
+    assert first["policy/approx_kl"] < 1e-7
+    assert sorted(r["policy/approx_kl"] for r in later)[10] > 1e-5 and max(r["policy/ratio_max"] for r in later) > 1.05
+    assert [r["step"] for r in evals] == [0, 15, 30, 45, 60] and all(set(EVAL_METRICS) <= set(r) for r in evals)
+    # Measured over 3 seeds (README): gold win rate +0.27 to +0.29, proxy mean score +0.26 to +0.29
+    assert evals[-1]["eval/proxy_reward"] >= evals[0]["eval/proxy_reward"] + 0.1
+    assert evals[-1]["eval/gold_win_rate"] >= evals[0]["eval/gold_win_rate"] + 0.1
+    assert steps[-1]["objective/kl"] > steps[0]["objective/kl"]  # the policy moved away from the reference
+
+
+def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):
+    """The paper code's pi_old: the ratio is 1 at every step although the batch was sampled a step behind."""
+    steps, _ = run_rloo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs", "--whiten_advantages")
+    assert [r["staleness"] for r in steps] == [0] + [1] * 5
+    assert all(abs(r["policy/ratio_mean"] - 1) < 1e-5 and r["policy/approx_kl"] < 1e-9 for r in steps)
+    assert all(abs(r["logps/generator_gap"]) > 1e-4 for r in steps[1:])
+
+
+@pytest.fixture(scope="module")
+def four_samples_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
+    return run_rloo(tiny_dir, tmp_path_factory.mktemp("k4"), *SHORT_RUN, "--num_samples", "4")
+
+
+def test_four_samples_per_prompt(four_samples_run):
+    steps, evals = four_samples_run
+    assert [r["staleness"] for r in steps] == [0] + [1] * 5 and len(evals) == 3
+    assert all(r["advantage/std"] > 0 and 0 <= r["eos/fraction"] <= 1 for r in steps)
+
+
+def test_torchrun_two_learner_processes(tiny_dir, tmp_path, four_samples_run):
+    """Two learner ranks under DDP: same seed, same trajectory as one process."""
+    steps, evals = run_rloo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--num_samples", "4",
+                            launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+    assert [r["staleness"] for r in steps] == [0] + [1] * 5
+    single_steps, single_evals = four_samples_run
+    for key in ("reward/mean", "loss/policy", "objective/kl", "advantage/std", "policy/ratio_max"):
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3), key
+    assert [r["eval/gold_win_rate"] for r in evals] == [r["eval/gold_win_rate"] for r in single_evals]
+
+
+@pytest.mark.parametrize("flags, message", [(["--num_samples", "1"], "--num_samples"),
+                                            (["--cliprange", "-1"], "--cliprange")])
+def test_bad_flags_are_rejected_early(tiny_dir, tmp_path, flags, message):
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), *flags,
+                        script="async_rloo.py", timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
