@@ -25,6 +25,23 @@ def test_bad_flags_are_rejected_early(tiny_dir, tmp_path, flags, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script, flags, message", [
+    ("async_ppo.py", ["--num_samples", "0"], "--num_samples"),
+    ("async_ppo.py", ["--cliprange", "-0.2"], "--cliprange"),
+    ("async_ppo.py", ["--lam", "1.5"], "--lam"),
+    ("async_rloo.py", ["--num_samples", "1"], "--num_samples"),
+    ("async_rloo.py", ["--cliprange", "-1"], "--cliprange"),
+    ("gsm8k_async_dpo.py", ["--num_samples", "1"], "--num_samples"),
+    ("gsm8k_async_dpo.py", ["--eval_temperature", "-1"], "--eval_temperature"),
+    ("gsm8k_async_dpo.py", ["--dataset", "/no/such/folder"], "--dataset /no/such/folder"),
+])
+def test_the_other_scripts_reject_bad_flags_early(request, tmp_path, script, flags, message):
+    world_dir = request.getfixturevalue("gsm8k_dir" if script.startswith("gsm8k") else "tiny_dir")
+    result = run_script("--model", "tiny", "--tiny_dir", world_dir, "--output_dir", str(tmp_path), *flags,
+                        script=script, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
 def test_reward_model_without_a_score_head_is_rejected(tiny_dir, tmp_path):
     """An SFT checkpoint passed as the reward model would get a random head and train against noise."""
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path),

@@ -16,10 +16,21 @@ EVAL_METRICS = ["eval/proxy_win_rate", "eval/proxy_win_rate_stderr", "eval/proxy
                 "eval/num_prompts", "time/elapsed"]
 
 
-def read_metrics(output_dir: str, step_metric: str = "loss/dpo") -> tuple[list, list]:
-    """The training steps (the records with `step_metric`) and the evaluations of a run's metrics.jsonl."""
+def read_metrics(output_dir: str, step_metric: str = "loss/dpo",
+                 eval_metric: str = "eval/proxy_win_rate") -> tuple[list, list]:
+    """The training steps (the records with `step_metric`) and the evaluations (with `eval_metric`) of a run's
+    metrics.jsonl."""
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
-    return [r for r in records if step_metric in r], [r for r in records if "eval/proxy_win_rate" in r]
+    return [r for r in records if step_metric in r], [r for r in records if eval_metric in r]
+
+
+def run_tiny(script: str, world_dir: str, out, *flags: str, step_metric: str, eval_metric: str = "eval/proxy_win_rate",
+             **kwargs) -> tuple[list, list, str]:
+    """Run `script --model tiny` on a built world; it must succeed. Returns its steps, evaluations and console."""
+    result = run_script("--model", "tiny", "--tiny_dir", world_dir, "--output_dir", str(out), *flags, script=script,
+                        **kwargs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return *read_metrics(str(out), step_metric, eval_metric), result.stderr + result.stdout
 
 
 def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_script
+from test_end_to_end import run_tiny
 from transformers import AutoTokenizer
 
 from gsm8k_async_dpo import correctness, extract_answer, select_pairs
@@ -56,20 +56,12 @@ def test_miniature_splits_keep_test_facts_unseen(gsm8k_dir):
     assert 0.2 <= world["sft_test_pass_at_1"] <= 0.5
 
 
-def read(out) -> tuple[list, list]:
-    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return [r for r in records if "loss/dpo" in r], [r for r in records if "eval/pass_at_1" in r]
-
-
 STEP_METRICS = ["step", "staleness", "reward/accuracy", "pairs/fraction", "loss/dpo", "logps/generator_gap",
                 "time/generation", "time/training", "time/learner_wait", "eos/fraction"]
 
 
 def run_gsm8k(gsm8k_dir: str, out, *flags: str) -> tuple[list, list, str]:
-    result = run_script("--model", "tiny", "--tiny_dir", gsm8k_dir, "--output_dir", str(out), *flags,
-                        script="gsm8k_async_dpo.py")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return *read(out), result.stderr + result.stdout
+    return run_tiny("gsm8k_async_dpo.py", gsm8k_dir, out, *flags, step_metric="loss/dpo", eval_metric="eval/pass_at_1")
 
 
 def test_tiny_gsm8k_demo_learns_with_staleness_one(gsm8k_dir, tmp_path):
@@ -98,11 +90,3 @@ def test_sync_schedule_is_on_policy(gsm8k_dir, tmp_path):
     assert all(abs(r["logps/generator_gap"]) < 1e-4 for r in steps)
     assert [r["step"] for r in evals] == [0, 3, 6] and evals[-1]["eval/num_prompts"] == 200
 
-
-@pytest.mark.parametrize("flags, message", [(["--num_samples", "1"], "--num_samples"),
-                                            (["--eval_temperature", "-1"], "--eval_temperature"),
-                                            (["--dataset", "/no/such/folder"], "--dataset /no/such/folder")])
-def test_bad_flags_are_rejected_early(gsm8k_dir, tmp_path, flags, message):
-    result = run_script("--model", "tiny", "--tiny_dir", gsm8k_dir, "--output_dir", str(tmp_path), *flags,
-                        script="gsm8k_async_dpo.py", timeout=120)
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
