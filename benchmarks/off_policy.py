@@ -1,0 +1,178 @@
+"""Which algorithm tolerates stale data: the paper's Figure 3 on the tiny TL;DR world.
+
+Each generation round produces N mini-batches with one set of weights (`--num_mini_batches N`), and the learner takes
+one optimizer step per mini-batch, so a round's later mini-batches are further off-policy. In the paper's synchronous
+terms the staleness within a round is 0..N-1 steps; our scripts are asynchronous, which adds the N steps of the round
+trained while this one was generated: N..2N-1 (the first round, generated with the SFT weights, is 0..N-1).
+
+The sweep runs async_dpo.py, async_ppo.py and async_rloo.py at each N with the same total episodes, seed and
+hyperparameters as each script's `--model tiny` demo (the demo's 1,920 episodes rounded to 2,048 so that every N
+divides them; no evaluation during training, the final one on the whole validation split), and for PPO and RLOO also
+with `--recompute_old_logprobs` (the paper code's pi_old) at the largest N. It prints a table of the final
+evaluations (mean ± standard error over seeds) and saves two plots:
+
+  off_policy_frontier.png   gold win rate and gold mean score against perplexity, a marker per (algorithm, N)
+  off_policy_by_n.png       final gold win rate and gold mean score against N, per algorithm
+
+    python benchmarks/off_policy.py            # 3 algorithms x N in {1, 2, 4, 8, 16} x 3 seeds: ~30 min on 2 cores
+    python benchmarks/off_policy.py --quick    # async_dpo.py at N in {1, 2}, one seed, short runs, for CI
+"""
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import tyro
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+SCRIPTS = {"dpo": "async_dpo.py", "ppo": "async_ppo.py", "rloo": "async_rloo.py"}
+FINAL_METRICS = {"gold win rate": "eval/gold_win_rate", "gold score": "eval/gold_reward",
+                 "perplexity": "eval/perplexity", "proxy score": "eval/proxy_reward"}
+
+
+@dataclass
+class Args:
+    algorithms: list[Literal["dpo", "ppo", "rloo"]] = field(default_factory=lambda: ["dpo", "ppo", "rloo"])
+    """which scripts to sweep (async_dpo.py, async_ppo.py, async_rloo.py)"""
+    n_values: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    """N: mini-batches generated with one set of weights (--num_mini_batches); each must divide the episodes"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """seeds per (algorithm, N)"""
+    total_episodes: int = 2048
+    """training prompts per run, the same at every N (the demos' 1,920 rounded to a multiple of 16 x 32)"""
+    recompute_at_largest_n: bool = True
+    """also run PPO and RLOO with --recompute_old_logprobs at the largest N"""
+    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    """the tiny world (built there if missing)"""
+    plot_dir: str = HERE
+    """where the two plots go"""
+    runs_dir: Optional[str] = None
+    """where each run's folder (metrics.jsonl, generator log) goes; default: a temporary folder, deleted after"""
+    quick: bool = False
+    """async_dpo.py at N in {1, 2}, one seed, 256 episodes: checks that the benchmark works, measures nothing"""
+
+
+def run(args: Args, algorithm: str, n: int, seed: int, recompute: bool, output_dir: str) -> dict:
+    """One training run; returns its final evaluation, the staleness of each step and its wall-clock time."""
+    flags = ["--recompute_old_logprobs"] if recompute else []
+    start = time.time()
+    result = subprocess.run([sys.executable, os.path.join(REPO, SCRIPTS[algorithm]), "--model", "tiny", "--tiny_dir",
+                             args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, "--num_mini_batches",
+                             str(n), "--total_episodes", str(args.total_episodes), "--eval_every", "0", *flags],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        sys.exit(f"{SCRIPTS[algorithm]} failed at N={n}, seed {seed}:\n{result.stderr[-3000:]}")
+    records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    evals = [r for r in records if "eval/gold_win_rate" in r]
+    steps = [r for r in records if "staleness" in r]
+    return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps],
+                seconds=time.time() - start)
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean, and its standard error over seeds (0 for one seed)."""
+    return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def fmt(values: list[float], digits: int = 3) -> str:
+    mean, stderr = mean_and_stderr(values)
+    return f"{mean:.{digits}f} ± {stderr:.{digits}f}"
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.quick:
+        args.algorithms, args.n_values, args.seeds, args.total_episodes = ["dpo"], [1, 2], args.seeds[:1], 256
+    for n in args.n_values:
+        if n <= 0 or args.total_episodes % (32 * n):
+            sys.exit(f"--n_values: each N must be positive and divide --total_episodes {args.total_episodes} into "
+                     f"rounds of N x 32 prompts; {n} does not")
+    points = [(a, n, False) for a in args.algorithms for n in args.n_values]
+    if args.recompute_at_largest_n:
+        points += [(a, max(args.n_values), True) for a in args.algorithms if a != "dpo"]
+
+    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="off_policy_")
+    runs, sweep_start = {}, time.time()
+    try:
+        for index, (algorithm, n, recompute) in enumerate(points):
+            for seed in args.seeds:
+                name = f"{algorithm}{'_recompute' if recompute else ''}_n{n}_seed{seed}"
+                print(f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)", flush=True)
+                runs[algorithm, n, recompute, seed] = run(args, algorithm, n, seed, recompute,
+                                                          os.path.join(runs_dir, name))
+    finally:
+        if args.runs_dir is None:
+            import shutil
+
+            shutil.rmtree(runs_dir, ignore_errors=True)
+
+    # The table: one row per (algorithm, N), mean ± standard error over the seeds of the final evaluation
+    sft, num_final = runs[next(iter(runs))]["sft"], runs[next(iter(runs))]["final"]["eval/num_prompts"]
+    print(f"\nSFT policy: gold win rate {sft['eval/gold_win_rate']:.3f}, gold score {sft['eval/gold_reward']:.3f}, "
+          f"perplexity {sft['eval/perplexity']:.3f}; final evaluations on {num_final} prompts "
+          f"(binomial stderr of one win rate at most {math.sqrt(0.25 / num_final):.3f}); "
+          f"{len(args.seeds)} seed(s) per row, mean ± standard error over seeds")
+    print("\n| algorithm | N | staleness | gold win rate | gold score | perplexity | proxy score | wall time |")
+    print("|---|---|---|---|---|---|---|---|")
+    table = {}
+    for algorithm, n, recompute in points:
+        seeds = [runs[algorithm, n, recompute, s] for s in args.seeds]
+        table[algorithm, n, recompute] = {name: [r["final"][key] for r in seeds]
+                                          for name, key in FINAL_METRICS.items()}
+        staleness = sorted({s for r in seeds for s in r["staleness"]})
+        label = f"{algorithm}{' (recompute pi_old)' if recompute else ''}"
+        print(f"| {label} | {n} | {staleness[0]}..{staleness[-1]} | " + " | ".join(
+            fmt(values, 2 if name == "perplexity" else 3) for name, values in table[algorithm, n, recompute].items())
+            + f" | {statistics.mean(r['seconds'] for r in seeds):.0f} s |")
+    print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers, colors = {"dpo": "o", "ppo": "s", "rloo": "^"}, plt.cm.viridis
+    n_color = {n: colors(i / max(len(args.n_values) - 1, 1)) for i, n in enumerate(sorted(args.n_values))}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric in zip(axes, ("gold win rate", "gold score")):
+        for (algorithm, n, recompute), values in table.items():
+            (x, x_err), (y, y_err) = mean_and_stderr(values["perplexity"]), mean_and_stderr(values[metric])
+            ax.errorbar(x, y, xerr=x_err, yerr=y_err, marker=markers[algorithm], markersize=8, color=n_color[n],
+                        markerfacecolor="none" if recompute else n_color[n], ecolor="gray", linestyle="none")
+        ax.plot(sft["eval/perplexity"], sft[FINAL_METRICS[metric]], "k*", markersize=12)
+        ax.set(xlabel="perplexity of the summaries under the SFT model", ylabel=f"final {metric}")
+    handles = [plt.Line2D([], [], marker=m, color="gray", linestyle="none", label=a) for a, m in markers.items()
+               if a in args.algorithms]
+    handles += [plt.Line2D([], [], marker="o", color=c, linestyle="none", label=f"N={n}") for n, c in n_color.items()]
+    handles += [plt.Line2D([], [], marker="o", color="gray", markerfacecolor="none", linestyle="none",
+                           label="recompute pi_old"), plt.Line2D([], [], marker="*", color="k", linestyle="none",
+                                                                  label="SFT")]
+    axes[1].legend(handles=handles, fontsize=8, loc="best")
+    fig.suptitle(f"Off-policy tolerance on the tiny world ({len(args.seeds)} seeds, mean ± s.e.)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.plot_dir, "off_policy_frontier.png"), dpi=90)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric in zip(axes, ("gold win rate", "gold score")):
+        for i, algorithm in enumerate(args.algorithms):
+            means = [mean_and_stderr(table[algorithm, n, False][metric]) for n in args.n_values]
+            ax.errorbar(args.n_values, [m for m, _ in means], yerr=[e for _, e in means], marker=markers[algorithm],
+                        color=f"C{i}", capsize=3, label=algorithm)
+            if (algorithm, max(args.n_values), True) in table:
+                y, y_err = mean_and_stderr(table[algorithm, max(args.n_values), True][metric])
+                ax.errorbar(max(args.n_values) * 1.08, y, yerr=y_err, marker=markers[algorithm], color=f"C{i}",
+                            markerfacecolor="none", capsize=3, label=f"{algorithm}, recompute pi_old")
+        ax.axhline(sft[FINAL_METRICS[metric]], color="k", linestyle=":", label="SFT")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="N (mini-batches per generation round)", ylabel=f"final {metric}")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.plot_dir, "off_policy_by_n.png"), dpi=90)
+    print(f"plots saved to {args.plot_dir}/off_policy_frontier.png and off_policy_by_n.png")
