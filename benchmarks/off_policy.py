@@ -114,7 +114,8 @@ if __name__ == "__main__":
             shutil.rmtree(runs_dir, ignore_errors=True)
 
     # The table: one row per (algorithm, N), mean ± standard error over the seeds of the final evaluation
-    sft, num_final = runs[next(iter(runs))]["sft"], runs[next(iter(runs))]["final"]["eval/num_prompts"]
+    first_run = next(iter(runs.values()))
+    sft, num_final = first_run["sft"], first_run["final"]["eval/num_prompts"]
     print(f"\nSFT policy: gold win rate {sft['eval/gold_win_rate']:.3f}, gold score {sft['eval/gold_reward']:.3f}, "
           f"perplexity {sft['eval/perplexity']:.3f}; final evaluations on {num_final} prompts "
           f"(binomial stderr of one win rate at most {math.sqrt(0.25 / num_final):.3f}); "

@@ -3,6 +3,7 @@ measure are in the README, from full runs)."""
 import os
 
 from conftest import run_script
+from test_end_to_end import read_metrics
 
 
 def test_async_vs_sync_benchmark_reduced(tmp_path):
@@ -55,8 +56,6 @@ def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
 def test_off_policy_quick(tiny_dir, tmp_path):
     """Two N values for async_dpo.py: the table and both plots come out, every run logged its final gold win rate,
     and N mini-batches per round give the staleness they should (0..N-1 in the first round, N..2N-1 after)."""
-    import json
-
     runs = tmp_path / "runs"
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "off_policy.py"))
@@ -66,9 +65,8 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     for name in ("off_policy_frontier.png", "off_policy_by_n.png"):
         assert (tmp_path / name).stat().st_size > 1000
     for n in (1, 2):
-        records = [json.loads(line) for line in open(runs / f"dpo_n{n}_seed1" / "metrics.jsonl")]
-        assert 0 <= [r for r in records if "eval/gold_win_rate" in r][-1]["eval/gold_win_rate"] <= 1
-        steps = [r for r in records if "staleness" in r]
+        steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
+        assert 0 <= evals[-1]["eval/gold_win_rate"] <= 1
         assert len(steps) == 256 // 32
         for r in steps:
             position = (r["step"] - 1) % n  # the mini-batch's place in its round
