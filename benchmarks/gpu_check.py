@@ -14,6 +14,7 @@
 
 On a machine without a GPU it runs the same code on the CPU with a small model (what CI runs, so it cannot rot).
 """
+import gc
 import json
 import math
 import os
@@ -225,6 +226,10 @@ def collectives_worker() -> None:
         expected = sum(range(1, world_size + 1)) / world_size  # DDP averages the ranks' gradients
         assert torch.allclose(model.weight.grad, torch.full_like(model.weight.grad, expected)), model.weight.grad
         backend = "nccl" if use_cuda else "gloo"
+        # DDP's state holds the process group: free it before the group is torn down, as the scripts do (else a
+        # gloo thread can abort the process at exit, now and then)
+        del ddp, model
+        gc.collect()
     else:
         backend = "skipped (NCCL needs a GPU per rank; this machine has one)"
     if rank == 0:
