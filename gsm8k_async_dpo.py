@@ -7,10 +7,8 @@ import gc
 import json
 import math
 import os
-import queue
 import random
 import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -31,6 +29,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import tiny_world
+from plumbing import GeneratorError, bos_prefix, quiet_resource_tracker, receive, send, stop_generator
 
 PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k")}  # --model: (SFT policy, dataset) on the hub
 PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the format the SFT policy was trained on
@@ -114,7 +113,7 @@ class Args:
 
     # Systems
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """vLLM and reference model dtype, the learner's autocast dtype (default: bfloat16 on GPU, else float32)"""
+    """vLLM's dtype and the learner's autocast dtype (default: bfloat16 on GPU, else float32)"""
     gradient_checkpointing: Optional[bool] = None
     """recompute activations in the backward pass instead of storing them (default: on, but off for tiny)"""
     vllm_gpu_memory_utilization: float = 0.9
@@ -164,10 +163,12 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
     for bad, message in [
         (args.num_samples < 2, f"--num_samples must be at least 2 (a DPO pair needs two), got {args.num_samples}"),
         (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
+        (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast without a "
+         "gradient scaler, and small gradients would underflow to 0 silently; use bfloat16 (or float32)"),
         (args.eval_every < 0, f"--eval_every must be 0 (off) or positive, got {args.eval_every}"),
         (not 0 < args.vllm_gpu_memory_utilization <= 1, "--vllm_gpu_memory_utilization must be in (0, 1]"),
-        ((args.num_final_eval_prompts or world_size) < world_size, "--num_final_eval_prompts is below the number "
-         "of learner processes"),
+        (min(args.num_eval_prompts, args.num_final_eval_prompts or world_size) < world_size, "--num_eval_prompts "
+         "and --num_final_eval_prompts must give every learner process a prompt"),
         (args.fsdp and world_size == 1, "--fsdp shards over several learner processes: launch with torchrun"),
         (args.batch_size % world_size, f"--batch_size {args.batch_size} must divide over {world_size} processes"),
         (local_batch_size % args.per_device_train_batch_size, f"--per_device_train_batch_size "
@@ -238,19 +239,22 @@ def prepare_policy(policy: torch.nn.Module, gradient_checkpointing: bool) -> tor
 
 
 def tokenize_prompts(tokenizer, questions: list[str], max_length: int) -> list[list[int]]:
-    """Token ids per prompt in the paper's format; long prompts keep their end, where 'Solution:' sits."""
-    texts = [PROMPT.format(question=question) for question in questions]
-    return [ids[-max_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    """Token ids per prompt in the paper's format, after BOS where the tokenizer adds one (rho-1b's SFT saw it);
+    long prompts keep their end, where 'Solution:' sits."""
+    texts, bos = [PROMPT.format(question=question) for question in questions], bos_prefix(tokenizer)
+    return [bos + ids[max(len(ids) + len(bos) - max_length, 0):]
+            for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def extract_answer(text: str) -> Optional[str]:
-    """The number after the first "####", commas removed (GSM8k's answer format); None when there is none."""
-    match = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
-    return match.group(1).replace(",", "") if match else None
+def extract_answer(text: str) -> Optional[float]:
+    """The number after the first "####" (GSM8k's answer format), as a number: `$1,000`, `1000` and `1000.00` are
+    the same answer. None when there is none."""
+    match = re.search(r"####\s*\$?\s*(-?[\d,]*\.?\d+)", text)
+    return float(match.group(1).replace(",", "")) if match else None
 
 
 def correctness(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
-    """The verifiable reward: 1 where the completion's final answer equals the reference answer's, else 0."""
+    """The verifiable reward: 1 where the completion's final answer equals the reference answer's (as numbers)."""
     predicted = [extract_answer(text) for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
     return torch.tensor([float(p is not None and p == extract_answer(a)) for p, a in zip(predicted, answers)])
 
@@ -293,10 +297,13 @@ def sequence_logprobs(model, inputs: dict, response_mask: torch.Tensor, temperat
 
 @torch.no_grad()
 def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float, chunk: int, pad_id: int,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    logps, counts = zip(*[sequence_logprobs(model, *collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id,
-                                                            device), temperature)
-                          for i in range(0, len(prompts), chunk)])
+                       device: torch.device, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of each response, under the update's autocast: on GPU, the reference's log-probs (and
+    pi_old's) must be computed as pi's are, or their log-ratio is not 0 at equal weights."""
+    with autocast:
+        logps, counts = zip(*[sequence_logprobs(model, *collate(prompts[i: i + chunk], responses[i: i + chunk],
+                                                                pad_id, device), temperature)
+                              for i in range(0, len(prompts), chunk)])
     return torch.cat(logps).cpu(), torch.cat(counts).cpu()
 
 
@@ -319,9 +326,8 @@ def dpo_update(policy, optimizer, scheduler, micro_batches: list[dict], num_vali
     outputs = []
     for i, micro in enumerate(micro_batches):
         sync_gradients = i == len(micro_batches) - 1
-        if args.fsdp:  # FSDP2's form of DDP's no_sync
-            policy.set_requires_gradient_sync(sync_gradients)
-        skip_sync = args.world_size > 1 and not args.fsdp and not sync_gradients
+        # FSDP2 reduce-scatters every micro-batch: skipping it would hold full, unsharded float32 gradients
+        skip_sync = args.world_size > 1 and not args.fsdp and not sync_gradients  # DDP: all-reduce on the last
         inputs, response_mask = collate(micro["prompts"] * 2, micro["chosen"] + micro["rejected"], pad_id, device)
         with policy.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
             chosen_logps, rejected_logps = sequence_logprobs(policy, inputs, response_mask,
@@ -439,59 +445,13 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
                     log_path: Optional[str]):
     """Spawn the generator with a one-slot queue each way. Returns (process, requests, results, its temp folder)."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
+    quiet_resource_tracker(log_path)
     ctx = mp.get_context("spawn")
     requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     generator = ctx.Process(target=generator_main, args=(engine_kwargs, weight_buffer, weight_layout, requests,
                                                          results, cores, run_tmp_dir, log_path))
     generator.start()
     return generator, requests, results, run_tmp_dir
-
-
-def stop_generator(generator, requests, run_tmp_dir: str) -> None:
-    with contextlib.suppress(queue.Full, ValueError, OSError):
-        requests.put_nowait(None)  # a polite stop, seen if the generator is idle
-    generator.join(timeout=2)
-    for stop in (generator.terminate, generator.kill):  # then less polite ones
-        if generator.is_alive():
-            stop()
-            generator.join(timeout=3)
-    shutil.rmtree(run_tmp_dir, ignore_errors=True)
-
-
-class GeneratorError(RuntimeError):
-    pass
-
-
-def check_generator(generator) -> None:
-    if not generator.is_alive():
-        raise GeneratorError(f"the generator process exited unexpectedly (exit code {generator.exitcode})")
-
-
-def send(requests, request: dict, generator) -> None:
-    """Put on the one-slot request queue, without hanging if the generator has died."""
-    while True:
-        try:
-            return requests.put(request, timeout=0.5)
-        except queue.Full:
-            check_generator(generator)
-
-
-def receive(results, generator) -> dict:
-    """Take from the one-slot result queue, without hanging if the generator has died; re-raise its error."""
-    while True:
-        try:
-            message = results.get(timeout=0.5)
-        except queue.Empty:
-            if generator.is_alive():
-                continue
-            try:  # it may have reported its error just before exiting
-                message = results.get(timeout=1.0)
-            except queue.Empty:
-                check_generator(generator)
-                continue
-        if message["kind"] == "error":
-            raise GeneratorError("the generator process failed:\n" + message["traceback"])
-        return message
 
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:
@@ -501,7 +461,7 @@ def train_request(round_index: int, version: int, prompts: list, args: Args) -> 
 
 def eval_request(version: int, prompts: list, args: Args, final: bool = False) -> dict:
     return dict(kind="eval", final=final, weights_version=version, prompts=prompts, n=1,
-                temperature=args.eval_temperature, max_tokens=args.eval_response_length)
+                temperature=args.eval_temperature, max_tokens=args.eval_response_length, requested=time.time())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -537,12 +497,12 @@ def reduce_sums(sums: dict, world_size: int) -> dict:
 # Evaluation and logging
 # ---------------------------------------------------------------------------------------------------------------
 def evaluate(responses: list, prompts: list, answers: list, ref_policy, tokenizer, args: Args, pad_id: int,
-             eos_id: int, device: torch.device) -> dict:
+             eos_id: int, device: torch.device, autocast) -> dict:
     """Sums over this rank's evaluation problems: correct answers (pass@1 of the greedy answers), and the SFT
     model's log-probs of the answers (their perplexity)."""
     responses, has_eos = truncate_at_eos(responses, args.eval_response_length, eos_id)
     logps, counts = logprobs_in_chunks(ref_policy, prompts, responses, 1.0, args.per_device_train_batch_size * 2,
-                                       pad_id, device)
+                                       pad_id, device, autocast)
     return {"count": len(responses), "eos": sum(has_eos), "correct": correctness(tokenizer, responses, answers).sum()
             .item(), "logp": logps.sum().item(), "tokens": counts.sum().item()}
 
@@ -670,7 +630,9 @@ if __name__ == "__main__":
         if shares_gpu0:
             collect()  # the engine's "ready": it has measured GPU 0's free memory and taken its share
 
-        # Models: the policy trains in float32 (under autocast on GPU); the frozen models are loaded in `dtype`
+        # Models: the policy trains in float32 (under autocast on GPU), and the reference runs exactly as it does
+        # (float32 weights, the same autocast), so that log pi - log pi_ref is 0 at step 0 on GPU as on CPU. The
+        # reward models are loaded in `dtype`.
         tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
         if tokenizer.eos_token_id is None:
             fail(f"--sft_model_path {args.sft_model_path}: the tokenizer has no EOS token")
@@ -678,7 +640,7 @@ if __name__ == "__main__":
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id  # masks say what is padding
         policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device)
         policy = prepare_policy(policy, args.gradient_checkpointing)
-        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=dtype).to(device)
+        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device)
         ref_policy.eval().requires_grad_(False)
         unwrapped_policy = policy
         if args.fsdp:  # shard every transformer block, then each top-level piece (embeddings, heads) as its own
@@ -708,9 +670,8 @@ if __name__ == "__main__":
         rounds = prompt_order[: args.num_rounds * prompts_per_round].reshape(args.num_rounds, prompts_per_round)
         L, M = args.local_batch_size, args.per_device_train_batch_size
         local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # mine
-        num_final = min(args.num_final_eval_prompts or len(eval_data), len(eval_data)) // args.world_size
-        eval_data = eval_data.select(range(num_final * args.world_size))
-        num_eval = min(args.num_eval_prompts, len(eval_data)) // args.world_size * args.world_size
+        eval_data = eval_data.select(range(min(args.num_final_eval_prompts or len(eval_data), len(eval_data))))
+        num_eval = min(args.num_eval_prompts, len(eval_data))  # the ranks' shares may differ by one: sums add up
         eval_prompts = tokenize_prompts(tokenizer, eval_data["question"], args.max_prompt_length)
         my_eval_prompts, my_eval_answers = eval_prompts[rank:: args.world_size], eval_data["answer"][rank::
                                                                                                     args.world_size]
@@ -718,17 +679,21 @@ if __name__ == "__main__":
             collect()  # the engine's "ready": it was built while we loaded our models
         training_start = None
 
+        evaluated_versions = []  # the weights' versions evaluated so far
+
         def run_evaluation(message: dict) -> None:
             """Grade an evaluation's answers on every rank, then log them (closes over the models and data)."""
+            evaluated_versions.append(message["generation_version"])
             start = time.time()
             responses = message["responses"][rank:: args.world_size]
             sums = evaluate(responses, my_eval_prompts[: len(responses)], my_eval_answers[: len(responses)],
-                            ref_policy, tokenizer, args, pad_id, eos_id, device)
+                            ref_policy, tokenizer, args, pad_id, eos_id, device, autocast)
             record = eval_record(reduce_sums(sums, args.world_size), message["generation_version"], args)
             record["time/eval"] = time.time() - start
             record["time/elapsed"] = time.time() - training_start if training_start else 0.0
             if training_start:
-                record.update(timeline(training_start, evaluation=(start, time.time()), eval_generation=(
+                record.update(timeline(training_start, evaluation=(start, time.time()), eval_queued=(
+                    message["requested"], message["weight_load_start"]), eval_generation=(
                     message["generation_start"], message["generation_end"])))
             if rank == 0:
                 record["eval/samples"] = [dict(prompt=tokenizer.decode(my_eval_prompts[i])[-200:],
@@ -799,7 +764,7 @@ if __name__ == "__main__":
             pairs = dict(prompts=prompts, chosen=[responses[i] for i in chosen_index],
                          rejected=[responses[i] for i in rejected_index], valid=valid.float())
             ref_logps, _ = logprobs_in_chunks(ref_policy, prompts * 2, pairs["chosen"] + pairs["rejected"],
-                                              args.temperature, M * 2, pad_id, device)
+                                              args.temperature, M * 2, pad_id, device, autocast)
             pairs["ref_chosen_logps"], pairs["ref_rejected_logps"] = ref_logps.chunk(2)
             # The generator's log-probs of the same pairs: against the learner's they show how off-policy the data is
             generator_logps = torch.tensor([batch["logprobs"][i * K + k] for i in local for k in range(K)])
@@ -822,6 +787,7 @@ if __name__ == "__main__":
                         "loss/dpo": (losses * mask).sum().item(), "logps/chosen": (chosen_logps * mask).sum().item(),
                         "logps/rejected": (rejected_logps * mask).sum().item(),
                         "logps/generator_gap": (generator_gap * mask.repeat(2)).sum().item() / 2,
+                        "logps/generator_gap_sq": (generator_gap ** 2 * mask.repeat(2)).sum().item() / 2,
                         "reward/accuracy": scores[mb].sum().item() / K, "pairs/fraction": valid[mb].sum().item(),
                         "eos/fraction": sum(has_eos[mb.start * K: mb.stop * K]) / K}, args.world_size)
                     record = {"step": version, "episode": episodes_at(version, args), "round": round_index,
@@ -829,6 +795,8 @@ if __name__ == "__main__":
                               "staleness": version - 1 - batch["generation_version"], "lr": scheduler.get_last_lr()[0],
                               **{k: v / (num_valid if k.startswith(("loss", "logps")) else args.batch_size)
                                  for k, v in sums.items()}}
+                    record["logps/generator_gap_std"] = math.sqrt(max(record.pop("logps/generator_gap_sq")
+                                                                      - record["logps/generator_gap"] ** 2, 0.0))
                     if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:  # the round's times
                         spans = dict(weight_load=(batch["weight_load_start"], batch["generation_start"]),
                                      generation=(batch["generation_start"], batch["generation_end"]),
@@ -845,13 +813,13 @@ if __name__ == "__main__":
                                          staleness=record["staleness"])
 
         # Final evaluation (the whole test split by default) with the last weights, after any still in flight
+        # An evaluation requested in the last round may still be loading its weights from the buffer: score it
+        # before the buffer is rewritten, or it could run on a mix of two versions.
+        while evaluated_versions[-1] != last_eval:
+            run_evaluation(collect())
         write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
         submit(eval_request(version, eval_prompts, args, final=True))
-        while True:
-            message = collect()
-            run_evaluation(message)
-            if message["final"]:
-                break
+        run_evaluation(collect())
         progress.close()
         if args.save_model:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -876,7 +844,7 @@ if __name__ == "__main__":
         raise SystemExit(130)
     finally:
         if generator is not None:
-            stop_generator(generator, requests, run_tmp_dir)
+            stop_generator(generator, requests, results, run_tmp_dir)
         if metrics_file is not None:
             metrics_file.close()
             if args.track:

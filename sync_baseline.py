@@ -7,9 +7,7 @@ import gc
 import json
 import math
 import os
-import queue
 import random
-import shutil
 import signal
 import sys
 import tempfile
@@ -30,6 +28,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import tiny_world
+from plumbing import GeneratorError, bos_prefix, quiet_resource_tracker, receive, send, stop_generator
 
 TLDR_DATASET = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 PRESETS = {  # --model: (SFT policy, proxy reward model, dataset) on the Hugging Face hub
@@ -119,7 +118,7 @@ class Args:
 
     # Systems
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """vLLM, reference and reward model dtype, the learner's autocast dtype (default: bfloat16 on GPU, else float32)"""
+    """vLLM's (and reward models') dtype, the learner's autocast dtype (default: bfloat16 on GPU, else float32)"""
     gradient_checkpointing: Optional[bool] = None
     """recompute activations in the backward pass instead of storing them (default: on, but off for tiny)"""
     vllm_gpu_memory_utilization: float = 0.9
@@ -171,10 +170,12 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
     local_batch_size, prompts_per_round = args.batch_size // world_size, args.batch_size * args.num_mini_batches
     for bad, message in [
         (args.num_samples < 2, f"--num_samples must be at least 2 (a DPO pair needs two), got {args.num_samples}"),
+        (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast without a "
+         "gradient scaler, and small gradients would underflow to 0 silently; use bfloat16 (or float32)"),
         (args.eval_every < 0, f"--eval_every must be 0 (off) or positive, got {args.eval_every}"),
         (not 0 < args.vllm_gpu_memory_utilization <= 1, "--vllm_gpu_memory_utilization must be in (0, 1]"),
-        ((args.num_final_eval_prompts or world_size) < world_size, "--num_final_eval_prompts is below the number "
-         "of learner processes"),
+        (min(args.num_eval_prompts, args.num_final_eval_prompts or world_size) < world_size, "--num_eval_prompts "
+         "and --num_final_eval_prompts must give every learner process a prompt"),
         (args.fsdp and world_size == 1, "--fsdp shards over several learner processes: launch with torchrun"),
         # with hf generation the ranks would sample different lengths: mismatched FSDP collectives
         (args.fsdp and args.generation_backend == "hf", "--fsdp works with --generation_backend vllm only"),
@@ -267,8 +268,11 @@ def prepare_policy(policy: torch.nn.Module, gradient_checkpointing: bool) -> tor
 
 
 def tokenize_prompts(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
-    """Token ids per prompt; long prompts keep their end, where the instruction ('TL;DR:') sits."""
-    return [ids[-max_length:] for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    """Token ids per prompt, after BOS where the tokenizer adds one; long prompts keep their end, where the
+    instruction ('TL;DR:') sits."""
+    bos = bos_prefix(tokenizer)
+    return [bos + ids[max(len(ids) + len(bos) - max_length, 0):]
+            for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
 def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list[list[int]], list[bool]]:
@@ -332,10 +336,13 @@ def score_in_chunks(model, prompts: list, responses: list, has_eos: list, missin
 
 @torch.no_grad()
 def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float, chunk: int, pad_id: int,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    logps, counts = zip(*[sequence_logprobs(model, *collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id,
-                                                            device), temperature)
-                          for i in range(0, len(prompts), chunk)])
+                       device: torch.device, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of each response, under the update's autocast: on GPU, the reference's log-probs (and
+    pi_old's) must be computed as pi's are, or their log-ratio is not 0 at equal weights."""
+    with autocast:
+        logps, counts = zip(*[sequence_logprobs(model, *collate(prompts[i: i + chunk], responses[i: i + chunk],
+                                                                pad_id, device), temperature)
+                              for i in range(0, len(prompts), chunk)])
     return torch.cat(logps).cpu(), torch.cat(counts).cpu()
 
 
@@ -375,9 +382,8 @@ def dpo_update(policy, optimizer, scheduler, micro_batches: list[dict], num_vali
     outputs = []
     for i, micro in enumerate(micro_batches):
         sync_gradients = i == len(micro_batches) - 1
-        if args.fsdp:  # FSDP2's form of DDP's no_sync
-            policy.set_requires_gradient_sync(sync_gradients)
-        skip_sync = args.world_size > 1 and not args.fsdp and not sync_gradients
+        # FSDP2 reduce-scatters every micro-batch: skipping it would hold full, unsharded float32 gradients
+        skip_sync = args.world_size > 1 and not args.fsdp and not sync_gradients  # DDP: all-reduce on the last
         inputs, response_mask = collate(micro["prompts"] * 2, micro["chosen"] + micro["rejected"], pad_id, device)
         with policy.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
             chosen_logps, rejected_logps = sequence_logprobs(policy, inputs, response_mask,
@@ -495,59 +501,13 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
                     log_path: Optional[str]):
     """Spawn the generator with a one-slot queue each way. Returns (process, requests, results, its temp folder)."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
+    quiet_resource_tracker(log_path)
     ctx = mp.get_context("spawn")
     requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     generator = ctx.Process(target=generator_main, args=(engine_kwargs, weight_buffer, weight_layout, requests,
                                                          results, cores, run_tmp_dir, log_path))
     generator.start()
     return generator, requests, results, run_tmp_dir
-
-
-def stop_generator(generator, requests, run_tmp_dir: str) -> None:
-    with contextlib.suppress(queue.Full, ValueError, OSError):
-        requests.put_nowait(None)  # a polite stop, seen if the generator is idle
-    generator.join(timeout=2)
-    for stop in (generator.terminate, generator.kill):  # then less polite ones
-        if generator.is_alive():
-            stop()
-            generator.join(timeout=3)
-    shutil.rmtree(run_tmp_dir, ignore_errors=True)
-
-
-class GeneratorError(RuntimeError):
-    pass
-
-
-def check_generator(generator) -> None:
-    if not generator.is_alive():
-        raise GeneratorError(f"the generator process exited unexpectedly (exit code {generator.exitcode})")
-
-
-def send(requests, request: dict, generator) -> None:
-    """Put on the one-slot request queue, without hanging if the generator has died."""
-    while True:
-        try:
-            return requests.put(request, timeout=0.5)
-        except queue.Full:
-            check_generator(generator)
-
-
-def receive(results, generator) -> dict:
-    """Take from the one-slot result queue, without hanging if the generator has died; re-raise its error."""
-    while True:
-        try:
-            message = results.get(timeout=0.5)
-        except queue.Empty:
-            if generator.is_alive():
-                continue
-            try:  # it may have reported its error just before exiting
-                message = results.get(timeout=1.0)
-            except queue.Empty:
-                check_generator(generator)
-                continue
-        if message["kind"] == "error":
-            raise GeneratorError("the generator process failed:\n" + message["traceback"])
-        return message
 
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:
@@ -557,7 +517,7 @@ def train_request(round_index: int, version: int, prompts: list, args: Args) -> 
 
 def eval_request(version: int, prompts: list, args: Args, final: bool = False) -> dict:
     return dict(kind="eval", final=final, weights_version=version, prompts=prompts, n=1,
-                temperature=args.eval_temperature, max_tokens=args.eval_response_length)
+                temperature=args.eval_temperature, max_tokens=args.eval_response_length, requested=time.time())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -593,7 +553,7 @@ def reduce_sums(sums: dict, world_size: int) -> dict:
 # Evaluation and logging
 # ---------------------------------------------------------------------------------------------------------------
 def evaluate(responses: list, prompts: list, reference_scores: dict, reward_models: dict, ref_policy, args: Args,
-             pad_id: int, eos_id: int, device: torch.device) -> dict:
+             pad_id: int, eos_id: int, device: torch.device, autocast) -> dict:
     """Sums over this rank's evaluation prompts: wins against the reference summary and the mean score under each
     reward model, and the SFT model's log-probs of the summaries (the perplexities)."""
     responses, has_eos = truncate_at_eos(responses, args.eval_response_length, eos_id)
@@ -604,7 +564,7 @@ def evaluate(responses: list, prompts: list, reference_scores: dict, reward_mode
         scores = score_in_chunks(model, prompts, responses, has_eos, penalty, chunk, pad_id, device)
         sums[f"{name}_wins"] = (scores > reference_scores[name][: len(scores)]).sum().item()
         sums[f"{name}_reward"] = scores.sum().item()
-    logps, counts = logprobs_in_chunks(ref_policy, prompts, responses, 1.0, chunk, pad_id, device)
+    logps, counts = logprobs_in_chunks(ref_policy, prompts, responses, 1.0, chunk, pad_id, device, autocast)
     prompt_lengths = torch.tensor([len(p) for p in prompts])
     # The paper's "KL" axis: per sample, exp(response NLL / (prompt + response tokens)), then the mean
     sums.update(logp=logps.sum().item(), tokens=counts.sum().item(),
@@ -730,19 +690,25 @@ if __name__ == "__main__":
             None if args.verbose else os.path.join(args.output_dir, "generator.log"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
-    pending = []  # hf backend: requests not generated yet
+    pending = []  # hf backend: requests not generated yet, and evaluations already generated
 
     def submit(request: dict) -> None:
         if args.generation_backend == "hf":
-            pending.append(request)
+            # an evaluation is generated now, with the weights it names: by the time it is collected they have moved
+            pending.append(hf_result(request) if request["kind"] == "eval" else request)
         elif rank == 0:
             send(requests, request, generator)
 
     def collect() -> dict:
-        """The generator's next result, on every rank. With the hf backend each rank samples only its own prompts."""
+        """The generator's next result, on every rank."""
         if args.generation_backend == "vllm":
             return share(receive(results, generator) if rank == 0 else None, rank, args.world_size)
-        request, start = pending.pop(0), time.time()
+        request = pending.pop(0)
+        return request if "responses" in request else hf_result(request)
+
+    def hf_result(request: dict) -> dict:
+        """The hf backend's generation, with the learner's current weights: each rank samples only its own prompts."""
+        start = time.time()
         n, mine = request["n"], range(rank, len(request["prompts"]), args.world_size) if request["kind"] == "eval" \
             else local
         with autocast:
@@ -760,7 +726,9 @@ if __name__ == "__main__":
         if shares_gpu0 and generator is not None:
             collect()  # the engine's "ready": it has measured GPU 0's free memory and taken its share
 
-        # Models: the policy trains in float32 (under autocast on GPU); the frozen models are loaded in `dtype`
+        # Models: the policy trains in float32 (under autocast on GPU), and the reference runs exactly as it does
+        # (float32 weights, the same autocast), so that log pi - log pi_ref is 0 at step 0 on GPU as on CPU. The
+        # reward models are loaded in `dtype`.
         tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
         if tokenizer.eos_token_id is None:
             fail(f"--sft_model_path {args.sft_model_path}: the tokenizer has no EOS token")
@@ -768,7 +736,7 @@ if __name__ == "__main__":
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id  # masks say what is padding
         policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device)
         policy = prepare_policy(policy, args.gradient_checkpointing)
-        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=dtype).to(device)
+        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device)
         ref_policy.eval().requires_grad_(False)
         reward_models = {"proxy": load_reward_model("reward_model_path", args.reward_model_path, dtype, device)}
         if args.gold_reward_model_path:
@@ -801,9 +769,8 @@ if __name__ == "__main__":
         rounds = prompt_order[: args.num_rounds * prompts_per_round].reshape(args.num_rounds, prompts_per_round)
         L, M = args.local_batch_size, args.per_device_train_batch_size
         local = [m * args.batch_size + rank * L + j for m in range(args.num_mini_batches) for j in range(L)]  # mine
-        num_final = min(args.num_final_eval_prompts or len(eval_data), len(eval_data)) // args.world_size
-        eval_data = eval_data.select(range(num_final * args.world_size))
-        num_eval = min(args.num_eval_prompts, len(eval_data)) // args.world_size * args.world_size
+        eval_data = eval_data.select(range(min(args.num_final_eval_prompts or len(eval_data), len(eval_data))))
+        num_eval = min(args.num_eval_prompts, len(eval_data))  # the ranks' shares may differ by one: sums add up
         eval_prompts = tokenize_prompts(tokenizer, eval_data["query"], args.max_prompt_length)
         my_eval_prompts = eval_prompts[rank:: args.world_size]
         # The human reference summaries' scores never change: compute them once (gold: without the EOS penalty)
@@ -818,17 +785,21 @@ if __name__ == "__main__":
             collect()  # the engine's "ready": it was built while we loaded our models
         training_start = None
 
+        evaluated_versions = []  # the weights' versions evaluated so far
+
         def run_evaluation(message: dict) -> None:
             """Score an evaluation's summaries on every rank, then log them (closes over the models and data)."""
+            evaluated_versions.append(message["generation_version"])
             start = time.time()
             responses = message["responses"][rank:: args.world_size]
             sums = evaluate(responses, my_eval_prompts[: len(responses)], reference_scores, reward_models,
-                            ref_policy, args, pad_id, eos_id, device)
+                            ref_policy, args, pad_id, eos_id, device, autocast)
             record = eval_record(reduce_sums(sums, args.world_size), message["generation_version"], args)
             record["time/eval"] = time.time() - start
             record["time/elapsed"] = time.time() - training_start if training_start else 0.0
             if training_start:
-                record.update(timeline(training_start, evaluation=(start, time.time()), eval_generation=(
+                record.update(timeline(training_start, evaluation=(start, time.time()), eval_queued=(
+                    message["requested"], message["weight_load_start"]), eval_generation=(
                     message["generation_start"], message["generation_end"])))
             if rank == 0:
                 record["eval/samples"] = [dict(prompt=tokenizer.decode(my_eval_prompts[i])[-200:],
@@ -894,7 +865,7 @@ if __name__ == "__main__":
             pairs = dict(prompts=prompts, chosen=[responses[i] for i in chosen_index],
                          rejected=[responses[i] for i in rejected_index], valid=valid.float())
             ref_logps, _ = logprobs_in_chunks(ref_policy, prompts * 2, pairs["chosen"] + pairs["rejected"],
-                                              args.temperature, M * 2, pad_id, device)
+                                              args.temperature, M * 2, pad_id, device, autocast)
             pairs["ref_chosen_logps"], pairs["ref_rejected_logps"] = ref_logps.chunk(2)
             # The generator's log-probs of the same pairs: against the learner's they show how off-policy the data is
             # (the hf backend samples with the learner's own weights and reports none)
@@ -919,6 +890,7 @@ if __name__ == "__main__":
                         "loss/dpo": (losses * mask).sum().item(), "logps/chosen": (chosen_logps * mask).sum().item(),
                         "logps/rejected": (rejected_logps * mask).sum().item(),
                         "logps/generator_gap": (generator_gap * mask.repeat(2)).sum().item() / 2,
+                        "logps/generator_gap_sq": (generator_gap ** 2 * mask.repeat(2)).sum().item() / 2,
                         "reward/mean": scores[mb].sum().item() / K,
                         "reward/chosen": scores[mb].max(1).values.sum().item(),
                         "reward/rejected": scores[mb].min(1).values.sum().item(),
@@ -929,8 +901,10 @@ if __name__ == "__main__":
                               "staleness": version - 1 - batch["generation_version"], "lr": scheduler.get_last_lr()[0],
                               **{k: v / (num_valid if k.startswith(("loss", "logps")) else args.batch_size)
                                  for k, v in sums.items()}}
+                    record["logps/generator_gap_std"] = math.sqrt(max(record.pop("logps/generator_gap_sq")
+                                                                      - record["logps/generator_gap"] ** 2, 0.0))
                     if batch["logprobs"] is None:
-                        del record["logps/generator_gap"]
+                        del record["logps/generator_gap"], record["logps/generator_gap_std"]
                     if epoch == args.num_epochs - 1 and mini_batch == args.num_mini_batches - 1:  # the round's times
                         spans = dict(weight_load=(batch["weight_load_start"], batch["generation_start"]),
                                      generation=(batch["generation_start"], batch["generation_end"]),
@@ -947,13 +921,13 @@ if __name__ == "__main__":
                                          staleness=record["staleness"])
 
         # Final evaluation (the whole validation split by default) with the last weights, after any still in flight
+        # An evaluation requested in the last round may still be loading its weights from the buffer: score it
+        # before the buffer is rewritten, or it could run on a mix of two versions.
+        while evaluated_versions[-1] != last_eval:
+            run_evaluation(collect())
         write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
         submit(eval_request(version, eval_prompts, args, final=True))
-        while True:
-            message = collect()
-            run_evaluation(message)
-            if message["final"]:
-                break
+        run_evaluation(collect())
         progress.close()
         if args.save_model:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -978,7 +952,7 @@ if __name__ == "__main__":
         raise SystemExit(130)
     finally:
         if generator is not None:
-            stop_generator(generator, requests, run_tmp_dir)
+            stop_generator(generator, requests, results, run_tmp_dir)
         if metrics_file is not None:
             metrics_file.close()
             if args.track:

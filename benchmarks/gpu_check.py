@@ -6,7 +6,9 @@
   (b) the learner ranks' collectives under `torchrun --nproc_per_node 2`, on the process group the scripts create
       (reduce_sums and share go over gloo; DDP's gradient all-reduce over NCCL when there are two GPUs);
   (c) the weight hand-off to a spawned reader process through the scripts' shared buffer (CUDA IPC on a GPU),
-      checking that the reader sees each new version whole, never a mix of two.
+      checking that the reader sees each new version whole, never a mix of two;
+  (d) precision parity at step 0 (equal weights): DPO's first loss against ln 2, the reference's log-probs against
+      the policy's, and PPO's and RLOO's first ratios with pi_old recomputed and with pi_old from a bfloat16 sampler.
 
     python benchmarks/gpu_check.py                       # a few minutes on one 80 GB GPU (pythia-2.8b)
     python benchmarks/gpu_check.py --model pythia-410m   # smaller
@@ -70,10 +72,14 @@ def parameter_count(config) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
+CUDA_CONTEXT_GIB = 0.5  # a CUDA context: the generator opens one on rank 0's GPU to map the weight buffer (IPC)
+
+
 def memory_estimate(name: str, micro_batch: int, sequence_length: int, response_length: int,
                     algorithm: str = "dpo") -> dict:
-    """GiB per learner GPU for one replica (DDP), by component. Policy: float32 weights, gradients and two AdamW
-    moments (16 bytes a parameter); reference, reward model and weight buffer in bfloat16 (2 bytes each).
+    """GiB on rank 0's learner GPU for one replica (DDP), by component. Policy: float32 weights, gradients and two
+    AdamW moments (16 bytes a parameter); the reference in float32 too (it runs as the policy does, under the same
+    autocast, so that log pi - log pi_ref is 0 at step 0); reward model and weight buffer in bfloat16 (2 bytes each).
     Activations of one micro-batch with gradient checkpointing: each block's float32 input kept for the backward
     pass, one block's working set while it is recomputed (~20 bytes a hidden unit with SDPA attention), and the
     response logits (bfloat16, their float32 copy, log-softmax and its gradient).
@@ -92,27 +98,43 @@ def memory_estimate(name: str, micro_batch: int, sequence_length: int, response_
     if algorithm == "ppo":
         value_params = params - config.vocab_size * hidden + hidden  # no output embedding; a 1-output head
         estimate["value model + grads + AdamW"] = 16 * value_params / GIB
-    return {**estimate, "reference": 2 * params / GIB, "reward model": 2 * params / GIB,
-            "weight buffer": 2 * params / GIB, "activations / micro-batch": activations / GIB}
+    return {**estimate, "reference": 4 * params / GIB, "reward model": 2 * params / GIB,
+            "weight buffer": 2 * params / GIB, "activations / micro-batch": activations / GIB,
+            "generator's CUDA context": CUDA_CONTEXT_GIB}
+
+
+def fsdp_rank0(estimate: dict, name: str, learners: int) -> float:
+    """GiB on rank 0 under --fsdp: weights, gradients, AdamW moments and frozen models sharded over the learners.
+    Gradients stay sharded because every micro-batch reduce-scatters (the scripts do not skip gradient sync under
+    FSDP: skipping it would hold the full, unsharded float32 gradients until the last micro-batch). Not sharded: the
+    weight buffer, the activations, the generator's CUDA context, and the reward model's input embeddings, which
+    stay gathered after its forward because its backbone is called as its own FSDP root."""
+    config = pythia_config(name)
+    gathered_embeddings = 2 * config.vocab_size * config.hidden_size / GIB
+    unsharded = (estimate["weight buffer"] + estimate["activations / micro-batch"]
+                 + estimate["generator's CUDA context"])
+    sharded = sum(v for k, v in estimate.items() if k != "parameters (B)") - unsharded
+    return sharded / learners + unsharded + gathered_embeddings
 
 
 def print_estimate_table(args: Args) -> None:
     for algorithm in ("dpo", "ppo"):
         columns = list(memory_estimate("cpu-small", 1, 2, 1, algorithm))[1:]
         print(f"\n{algorithm.upper()}\n\n| model | params | " + " | ".join(columns) +
-              " | total (DDP, per learner GPU) | FSDP over 3 learners (rank 0) |")
+              " | total (DDP, rank 0's GPU) | FSDP over 3 learners (rank 0) |")
         print("|---" * (len(columns) + 4) + "|")
         for name in ("pythia-410m", "pythia-1b", "pythia-2.8b"):
             e = memory_estimate(name, args.per_device_train_batch_size, args.prompt_length + args.response_length,
                                 args.response_length, algorithm)
-            unsharded = e["weight buffer"] + e["activations / micro-batch"]
             total = sum(v for k, v in e.items() if k != "parameters (B)")
-            fsdp = (total - unsharded) / 3 + unsharded
             print(f"| {name} | {e['parameters (B)']:.2f} B | " + " | ".join(f"{e[k]:.1f}" for k in columns) +
-                  f" | **{total:.1f} GiB** | {fsdp:.1f} GiB |")
+                  f" | **{total:.1f} GiB** | {fsdp_rank0(e, name, 3):.1f} GiB |")
     gold = parameter_count(pythia_config("pythia-6.9b"))
+    embeddings = 2 * 50304 * PYTHIA["pythia-6.9b"][0] / GIB
     print(f"\nthe 6.9B gold reward model (--gold_reward_model_path) adds {2 * gold / GIB:.1f} GiB in bfloat16 "
-          f"(a third of that per learner with --fsdp over 3)")
+          f"(with --fsdp over 3: a third of that, plus {embeddings:.1f} GiB of its embeddings, gathered)")
+    print("not counted: the CUDA caching allocator's fragmentation, NCCL's buffers, and the peak of a checkpointed "
+          "block's recomputation beyond the working set above")
 
 
 def learner_step(args: Args, device: torch.device) -> None:
@@ -122,7 +144,7 @@ def learner_step(args: Args, device: torch.device) -> None:
     config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     policy = async_dpo.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
-    ref_policy = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
+    ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
     reward_model = GPTNeoXForSequenceClassification(config).to(dtype)
     reward_model.score.float()
     reward_model = reward_model.to(device).eval().requires_grad_(False)
@@ -141,7 +163,8 @@ def learner_step(args: Args, device: torch.device) -> None:
         start = time.time()
         scores = async_dpo.score_in_chunks(reward_model, prompts * 2, chosen + rejected, [True] * 2 * M, -1.0, 2 * M,
                                            0, device)
-        ref_logps, _ = async_dpo.logprobs_in_chunks(ref_policy, prompts * 2, chosen + rejected, 0.7, 2 * M, 0, device)
+        ref_logps, _ = async_dpo.logprobs_in_chunks(ref_policy, prompts * 2, chosen + rejected, 0.7, 2 * M, 0, device,
+                                                    autocast)
         micro = dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=(scores[:M] != scores[M:]).float(),
                      ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
         losses, _, _ = async_dpo.dpo_update(policy, optimizer, scheduler, [micro], float(M), run_args, 0, device,
@@ -152,13 +175,91 @@ def learner_step(args: Args, device: torch.device) -> None:
               f"{time.time() - sync_start:.3f} s, DPO loss {losses.mean():.4f}", flush=True)
     assert math.isfinite(losses.mean().item()), "the DPO loss is not finite"
     estimate = memory_estimate(args.model, M, args.prompt_length + args.response_length, args.response_length)
-    expected = sum(v for k, v in estimate.items() if k != "parameters (B)")
+    expected = sum(v for k, v in estimate.items() if k not in ("parameters (B)", "generator's CUDA context"))
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / GIB
         print(f"(a) peak GPU memory {peak:.1f} GiB; README estimate {expected:.1f} GiB "
               f"({json.dumps({k: round(v, 2) for k, v in estimate.items()})})")
     else:
         print(f"(a) no GPU: ran on the CPU; the README's estimate for this model would be {expected:.2f} GiB")
+
+
+def precision_parity(args: Args, device: torch.device) -> None:
+    """(d) Step 0 in the scripts' precisions, through their own functions, at equal weights: DPO's first loss against
+    ln 2, the reference's log-probs against the policy's, and the first ratios of PPO (per token) and RLOO (per
+    sequence) with pi_old recomputed by the learner (--recompute_old_logprobs) and with pi_old from the sampler.
+    vLLM is not installed here: a bfloat16 copy of the policy stands in for it (vLLM samples with bfloat16
+    weights), and random weights stand in for a trained model, so the sampler's figures are indicative only."""
+    from transformers import AutoModelForCausalLM, GPTNeoXForSequenceClassification
+
+    import async_ppo
+    import async_rloo
+
+    config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    policy = async_dpo.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
+    reference.load_state_dict(policy.state_dict())  # what the scripts load: the SFT weights in float32
+    old_regime = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
+    old_regime.load_state_dict(policy.state_dict())  # a reference loaded in bfloat16, as before; also the sampler
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
+    no_autocast = torch.autocast(device.type, enabled=False)
+    M, vocab, temperature = args.per_device_train_batch_size, config.vocab_size, 0.7
+    prompts = torch.randint(1, vocab, (M, args.prompt_length)).tolist()
+    responses = torch.randint(1, vocab, (2 * M, args.response_length)).tolist()
+    chosen, rejected = responses[:M], responses[M:]
+
+    def optimizer_for(model):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the step must not move the weights
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    ref_logps, _ = async_dpo.logprobs_in_chunks(reference, prompts * 2, responses, temperature, 2 * M, 0, device,
+                                                autocast)
+    bf16_logps, _ = async_dpo.logprobs_in_chunks(old_regime, prompts * 2, responses, temperature, 2 * M, 0, device,
+                                                 no_autocast)
+    micro = dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=torch.ones(M),
+                 ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
+    losses, chosen_logps, rejected_logps = async_dpo.dpo_update(policy, *optimizer_for(policy), [micro], float(M),
+                                                                async_dpo.Args(), 0, device, autocast)
+    policy_logps = torch.cat([chosen_logps, rejected_logps])
+    offset, old_offset = (policy_logps - ref_logps).abs(), (policy_logps - bf16_logps).abs()
+    print(f"(d) DPO step 0: loss {losses.mean():.6f} (ln 2 = {math.log(2):.6f}); |log pi - log pi_ref| per sequence "
+          f"mean {offset.mean():.2e}, max {offset.max():.2e} (a reference loaded in {dtype}: mean "
+          f"{old_offset.mean():.2e}, max {old_offset.max():.2e})", flush=True)
+    tolerance = 1e-4 if device.type == "cpu" else 1e-2
+    assert abs(losses.mean().item() - math.log(2)) < tolerance, "DPO's first loss is not ln 2 at equal weights"
+
+    # PPO: per-token ratios at step 0, pi_old from the learner's rollout pass or from the bfloat16 sampler
+    value_model = GPTNeoXForSequenceClassification(config).to(device)
+    model = async_ppo.PolicyAndValue(policy, value_model)
+    ppo_prompts, ppo_responses = prompts * 2, responses
+    learner_logprobs, values = async_ppo.rollout_in_chunks(model, ppo_prompts, ppo_responses, temperature, M, 0,
+                                                           device, autocast)
+    sampler_logprobs = async_ppo.logprobs_in_chunks(old_regime, ppo_prompts, ppo_responses, temperature, M, 0,
+                                                    device, no_autocast)
+    ppo_args, rloo_args = async_ppo.Args(), async_rloo.Args()
+    for name, old_logprobs in (("recomputed", learner_logprobs), ("sampler's", sampler_logprobs)):
+        episodes = dict(prompts=ppo_prompts, responses=ppo_responses, old_logprobs=old_logprobs,
+                        advantages=torch.randn_like(values), values=values, returns=values)
+        sums, ratio_max = async_ppo.ppo_update(model, *optimizer_for(model), [episodes], float(old_logprobs.numel()),
+                                               ppo_args, 0, device, autocast)
+        tokens = old_logprobs.numel()
+        print(f"(d) PPO step 0, pi_old {name}: ratio mean {sums['policy/ratio_mean'] / tokens:.6f}, max "
+              f"{ratio_max:.4f}, clip fraction {sums['policy/clipfrac'] / tokens:.4f}", flush=True)
+        if name == "recomputed":
+            assert abs(sums["policy/ratio_mean"] / tokens - 1) < tolerance, "PPO's first ratio is not 1"
+    # RLOO: sequence-level ratios (a sum over the response's tokens, so per-token differences add up)
+    learner_seq, _ = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M, 0, device,
+                                                  autocast)
+    for name, old_logps in (("recomputed", learner_seq), ("sampler's", bf16_logps)):
+        episodes = dict(prompts=ppo_prompts, responses=ppo_responses, old_logps=old_logps,
+                        advantages=torch.randn(len(old_logps)))
+        _, _, ratio, clipped = async_rloo.rloo_update(policy, *optimizer_for(policy), [episodes],
+                                                      float(len(old_logps)), rloo_args, 0, device, autocast)
+        print(f"(d) RLOO step 0, pi_old {name}: ratio mean {ratio.mean():.6f}, min {ratio.min():.4f}, max "
+              f"{ratio.max():.4f}, clip fraction {clipped.mean():.4f}", flush=True)
+        if name == "recomputed":
+            assert (ratio - 1).abs().max() < tolerance * 10, "RLOO's first ratio is not 1"
 
 
 def reader_main(buffer: torch.Tensor, table: list, versions, replies) -> None:
@@ -252,6 +353,9 @@ if __name__ == "__main__":
           f"model {args.model}, micro-batch {args.per_device_train_batch_size} x 2 sequences of "
           f"{args.prompt_length} + {args.response_length} tokens", flush=True)
     learner_step(args, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    precision_parity(args, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     weight_handoff(args, device)

@@ -12,11 +12,13 @@ from gsm8k_async_dpo import correctness, extract_answer, select_pairs
 
 
 @pytest.mark.parametrize("text, answer", [
-    ("Tom has 3 + 4 = 7 pencils.\n#### 7", "7"),
-    ("so 1,234 in all\n#### 1,234", "1234"),  # commas removed
-    ("#### -12", "-12"),  # negatives
-    ("half of 7 is 3.5\n####3.5", "3.5"),  # decimals, no space
-    ("#### 7 and then #### 9", "7"),  # several "####": the first
+    ("Tom has 3 + 4 = 7 pencils.\n#### 7", 7),
+    ("so 1,234 in all\n#### 1,234", 1234),  # commas removed
+    ("#### -12", -12),  # negatives
+    ("half of 7 is 3.5\n####3.5", 3.5),  # decimals, no space
+    ("#### $1,000", 1000),  # a currency sign
+    ("#### 5.00", 5),  # read as a number: 5.00 is 5
+    ("#### 7 and then #### 9", 7),  # several "####": the first
     ("the answer is 7", None),  # no "####"
     ("#### seven", None),  # no number after it
 ])
@@ -24,13 +26,13 @@ def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
 
 
-def test_reward_is_an_exact_match_of_the_final_answers(gsm8k_dir):
+def test_reward_compares_the_final_answers_as_numbers(gsm8k_dir):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(gsm8k_dir, "sft"))
-    texts = [" Tom has 3 + 4 = 7 pencils.\n#### 7", " 3 + 4 = 8\n#### 8", " no answer here", " #### 7.0",
-             " #### 1,000"]
+    texts = [" Tom has 3 + 4 = 7 pencils.\n#### 7", " 3 + 4 = 8\n#### 8", " no answer here", " #### 7.00",
+             " #### 1,000", " #### $1,000"]
     responses = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
-    answers = ["3 + 4 = 7\n#### 7"] * 4 + ["#### 1000"]
-    assert correctness(tokenizer, responses, answers).tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]  # "7.0" is not "7"
+    answers = ["3 + 4 = 7\n#### 7"] * 4 + ["#### 1000"] * 2
+    assert correctness(tokenizer, responses, answers).tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]  # as numbers
 
 
 def test_pairs_take_a_correct_and_an_incorrect_sample_and_skip_ties():

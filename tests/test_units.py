@@ -142,7 +142,7 @@ def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perple
     args = Args(missing_eos_penalty=-3.0, eval_response_length=4, per_device_train_batch_size=1)
     references = {"proxy": torch.tensor([0.0, 0.0]), "gold": torch.tensor([0.0, 0.0])}
     sums = evaluate(responses, prompts, references, {"proxy": reward_model, "gold": reward_model}, sft, args, eos,
-                    eos, CPU)
+                    eos, CPU, torch.autocast("cpu", enabled=False))
     raw = get_reward(reward_model, *collate(prompts, responses, eos, CPU), [True, False], None).detach()
     assert sums["proxy_reward"] == pytest.approx(raw[0].item() - 3.0, abs=1e-5)
     assert sums["gold_reward"] == pytest.approx(raw.sum().item(), abs=1e-5)

@@ -1,0 +1,135 @@
+"""No pending item can block the learner's exit: a request far larger than a pipe's 64 KiB, stuck in the one-slot
+queue because the generator is busy, must not hang the learner when the generator dies, on Ctrl-C, or at the end."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import REPO
+from test_failures import assert_all_gone, generator_of
+
+# A learner and a busy generator that never reads: the learner's queue feeder thread blocks on the full pipe.
+PENDING_REQUEST = r"""
+import multiprocessing as mp, sys, tempfile, time
+sys.path.insert(0, sys.argv[1])
+from plumbing import send, stop_generator
+
+def busy_generator(requests) -> None:
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
+    generator = ctx.Process(target=busy_generator, args=(requests,))
+    generator.start()
+    send(requests, dict(kind="eval", prompts=[[i % 1000] * 500 for i in range(512)]), generator)  # ~1 MB pickled
+    time.sleep(1)
+    generator.kill()
+    stop_generator(generator, requests, results, tempfile.mkdtemp())
+    print("stopped", flush=True)
+"""
+
+
+def test_stop_generator_exits_with_a_large_request_pending():
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", PENDING_REQUEST, REPO], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "stopped" in result.stdout, result.stderr[-3000:]
+    assert time.time() - started < 60
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tiny_dir, tmp_path_factory) -> str:
+    """The tiny world's data with every post six times longer (~300 tokens a prompt): a 512-prompt evaluation
+    request is then ~400 KB, as at real scale."""
+    folder = tmp_path_factory.mktemp("long") / "data"
+    folder.mkdir()
+    for split in ("train", "validation"):
+        with open(os.path.join(tiny_dir, "data", f"{split}.jsonl")) as source, open(folder / f"{split}.jsonl",
+                                                                                    "w") as target:
+            for line in source:
+                row = json.loads(line)
+                row["query"] = " ".join([row["query"].split(" TL;DR:")[0]] * 5 + [row["query"]])
+                target.write(json.dumps(row) + "\n")
+    return str(folder)
+
+
+def start_long_run(tiny_dir: str, dataset: str, out: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "async_dpo.py"), "--model", "tiny", "--tiny_dir",
+                             tiny_dir, "--dataset", dataset, "--output_dir", out, "--max_prompt_length", "400",
+                             "--eval_every", "1", "--num_eval_prompts", "512", *flags], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def steps_logged(out: str) -> int:
+    path = os.path.join(out, "metrics.jsonl")
+    return open(path).read().count('"loss/dpo"') if os.path.exists(path) else 0
+
+
+def pending_request(process: subprocess.Popen, out: str) -> list:
+    """Once the learner has trained, freeze the generator (SIGSTOP: busy for as long as a real generation takes)
+    and give the learner time to queue its next requests behind it, the evaluation's among them. Returns the
+    process tree."""
+    deadline = time.time() + 600
+    while steps_logged(out) < 2:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline, "no training step within the timeout"
+        time.sleep(0.2)
+    children = psutil.Process(process.pid).children(recursive=True)
+    generator_of(children).suspend()
+    time.sleep(5)
+    return children
+
+
+def assert_clean_exit(process: subprocess.Popen, stopped_at: float, code: int) -> str:
+    """The learner exits with `code` within a minute of `stopped_at` (seconds here; the margin is for slow machines)
+    and prints no second failure. Returns its stderr."""
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the learner hung on exit")
+    assert process.returncode == code, stderr[-3000:]
+    assert time.time() - stopped_at < 60
+    assert "resource_tracker" not in stderr and "KeyError" not in stderr, stderr[-3000:]  # no second failure
+    return stderr
+
+
+# 128 prompts a round: the training requests are ~100 KB too, so whichever request is queued fills the pipe
+ENDLESS = ("--total_episodes", "100000", "--batch_size", "128")
+
+
+def test_killed_generator_with_a_large_request_pending(tiny_dir, long_prompts, tmp_path):
+    process = start_long_run(tiny_dir, long_prompts, str(tmp_path), *ENDLESS)
+    children = pending_request(process, str(tmp_path))
+    generator_of(children).kill()
+    stderr = assert_clean_exit(process, time.time(), 1)
+    assert "generator process exited unexpectedly" in stderr
+    assert_all_gone(children)
+
+
+def test_ctrl_c_with_a_large_request_pending(tiny_dir, long_prompts, tmp_path):
+    process = start_long_run(tiny_dir, long_prompts, str(tmp_path), *ENDLESS)
+    children = pending_request(process, str(tmp_path))
+    os.killpg(process.pid, signal.SIGINT)
+    stderr = assert_clean_exit(process, time.time(), 130)
+    assert "interrupted" in stderr
+    assert_all_gone(children)
+
+
+def test_normal_end_with_evaluations_every_round(tiny_dir, long_prompts, tmp_path):
+    """Every round requests a ~400 KB evaluation, the last round's included: the run ends cleanly, having scored
+    every evaluation it asked for."""
+    process = start_long_run(tiny_dir, long_prompts, str(tmp_path), "--total_episodes", "128")
+    while steps_logged(str(tmp_path)) < 1 and process.poll() is None:
+        time.sleep(0.2)
+    children = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
+    metrics = tmp_path / "metrics.jsonl"
+    assert_clean_exit(process, time.time(), 0)
+    assert time.time() - os.path.getmtime(metrics) < 60  # from its last record (the final evaluation) to its exit
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["step"] for r in records if "eval/proxy_win_rate" in r] == [0, 1, 2, 3, 4]
+    assert_all_gone(children)
