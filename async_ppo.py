@@ -5,17 +5,15 @@
 import contextlib
 import ctypes
 import gc
-import json
 import math
 import os
-import random
 import signal
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
-from typing import Literal, NoReturn, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import datasets
 import numpy as np
@@ -24,12 +22,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import transformers
-import tyro
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+import plumbing
 import tiny_world
-from plumbing import GeneratorError, bos_prefix, quiet_resource_tracker, receive, send, stop_generator
 
 TLDR_DATASET = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 PRESETS = {  # --model: (SFT policy, proxy reward model, dataset) on the Hugging Face hub
@@ -157,27 +154,13 @@ class Args:
     """optimizer steps in total"""
 
 
-def parse_args() -> Args:
-    # `--model tiny` needs its own defaults (small batches, short responses), which flags still override.
-    # tyro cannot see the preset before parsing, so peek at it.
-    argv = sys.argv[1:]
-    tiny = "--model=tiny" in argv or any(a == "--model" and argv[i + 1: i + 2] == ["tiny"] for i, a in enumerate(argv))
-    return tyro.cli(Args, default=Args(model="tiny", **TINY_DEFAULTS) if tiny else Args())
-
-
-def fail(message: str) -> NoReturn:
-    """Stop early with a one-line error naming the bad flag or file."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 def compute_batch_sizes(args: Args, world_size: int) -> None:
     """Fill in the runtime fields of Args, rejecting values that make no sense or do not divide."""
     for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size", "per_device_train_batch_size",
                  "num_mini_batches", "num_epochs", "num_eval_prompts", "eval_response_length", "generator_cores",
                  "temperature", "eval_temperature"):
         if getattr(args, name) <= 0:
-            fail(f"--{name} must be positive, got {getattr(args, name)}")
+            plumbing.fail(f"--{name} must be positive, got {getattr(args, name)}")
     local_batch_size, prompts_per_round = args.batch_size // world_size, args.batch_size * args.num_mini_batches
     for bad, message in [
         (args.num_samples < 1, f"--num_samples must be positive, got {args.num_samples}"),
@@ -198,7 +181,7 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
          f"generation round (--batch_size x --num_mini_batches = {prompts_per_round})"),
     ]:
         if bad:
-            fail(message)
+            plumbing.fail(message)
     args.world_size, args.local_batch_size = world_size, local_batch_size
     args.gradient_accumulation_steps = local_batch_size // args.per_device_train_batch_size
     args.num_rounds = args.total_episodes // prompts_per_round
@@ -207,82 +190,13 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
         args.gradient_checkpointing = args.model != "tiny"
 
 
-def episodes_at(step: int, args: Args) -> int:
-    """Training prompts consumed after `step` optimizer steps. A round's N mini-batches are consumed by its first
-    epoch; further epoches (--num_epochs) revisit them without consuming new prompts."""
-    steps_per_round = args.num_mini_batches * args.num_epochs
-    rounds, step_in_round = divmod(step, steps_per_round)
-    return (rounds * args.num_mini_batches + min(step_in_round, args.num_mini_batches)) * args.batch_size
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Data and models
 # ---------------------------------------------------------------------------------------------------------------
-def load_prompt_splits(dataset: str, seed: int):
-    """Load train and validation splits from a hub name, a local folder of split files, or a single local file
-    (then 5% is held out for evaluation). Rejects data without the `query`/`reference_response` columns."""
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(os.path.splitext(dataset)[1])
-    if os.path.isfile(dataset) and kind is None:
-        fail(f"--dataset {dataset}: unsupported file type (use .jsonl, .json, .parquet or .csv)")
-    if not os.path.exists(dataset) and ("/" not in dataset or dataset.startswith((".", "/", "~"))):
-        fail(f"--dataset {dataset}: no such file or folder")
-    try:
-        if os.path.isfile(dataset):
-            split = datasets.load_dataset(kind, data_files=dataset)["train"].train_test_split(0.05, seed=seed)
-            splits = {"train": split["train"], "validation": split["test"]}
-        else:
-            splits = datasets.load_dataset(dataset)
-    except Exception as e:  # offline hub names, unreadable files
-        fail(f"--dataset {dataset}: could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    for split in ("train", "validation"):
-        if split not in splits:
-            fail(f"--dataset {dataset}: no '{split}' split (found {sorted(splits)})")
-        missing = {"query", "reference_response"} - set(splits[split].column_names)
-        if missing:
-            fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
-                 f"found {splits[split].column_names}")
-    return splits["train"], splits["validation"]
-
-
-def check_model_path(flag: str, path: str) -> None:
-    """Fail early, naming the flag, when a model is neither a local folder nor loadable from the hub."""
-    if path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
-        fail(f"--{flag} {path}: no such folder")
-    try:
-        AutoConfig.from_pretrained(path)
-    except Exception as e:
-        fail(f"--{flag} {path}: not a local model folder and could not be loaded from the hub "
-             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-
-
-def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A frozen 1-label sequence classifier. transformers would silently give a checkpoint without a trained head
-    (an SFT model, say) a random one, and we would train against noise: refuse it instead. The score head runs in
-    float32: in bfloat16, close scores round to the same value and their pairs are dropped as ties."""
-    model, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, num_labels=1,
-                                                                      output_loading_info=True)
-    if info["missing_keys"] or not hasattr(model, "score"):
-        fail(f"--{flag} {path}: not a reward model: the checkpoint has no trained `score` head (missing "
-             f"{sorted(info['missing_keys'])[:4]}); pass a model saved as a sequence classifier")
-    model.score.float()
-    return model.to(device).eval().requires_grad_(False)
-
-
-def prepare_policy(policy: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Training mode with dropout off (the log-prob ratios of RLHF should not carry dropout noise), and optionally
-    activation checkpointing, which transformers applies in training mode only (`GradientCheckpointingLayer`)."""
-    for module in policy.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return policy.train()
-
-
 def tokenize_prompts(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
     """Token ids per prompt, after BOS where the tokenizer adds one; long prompts keep their end, where the
     instruction ('TL;DR:') sits."""
-    bos = bos_prefix(tokenizer)
+    bos = plumbing.bos_prefix(tokenizer)
     return [bos + ids[max(len(ids) + len(bos) - max_length, 0):]
             for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
@@ -422,8 +336,8 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torc
 
 def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, world_size: int) -> tuple[float, float]:
     """Mean and variance of x where mask is 1, over the whole batch (all learner ranks)."""
-    sums = reduce_sums({"n": mask.sum().item(), "x": (x * mask).sum().item(), "xx": (x * x * mask).sum().item()},
-                       world_size)
+    sums = plumbing.reduce_sums({"n": mask.sum().item(), "x": (x * mask).sum().item(),
+                                 "xx": (x * x * mask).sum().item()}, world_size)
     mean = sums["x"] / max(sums["n"], 1)
     return mean, max(sums["xx"] / max(sums["n"], 1) - mean**2, 0.0)
 
@@ -586,7 +500,7 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
                     log_path: Optional[str]):
     """Spawn the generator with a one-slot queue each way. Returns (process, requests, results, its temp folder)."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
-    quiet_resource_tracker(log_path)
+    plumbing.quiet_resource_tracker(log_path)
     ctx = mp.get_context("spawn")
     requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     generator = ctx.Process(target=generator_main, args=(engine_kwargs, weight_buffer, weight_layout, requests,
@@ -603,43 +517,6 @@ def train_request(round_index: int, version: int, prompts: list, args: Args) -> 
 def eval_request(version: int, prompts: list, args: Args, final: bool = False) -> dict:
     return dict(kind="eval", final=final, weights_version=version, prompts=prompts, n=1,
                 temperature=args.eval_temperature, max_tokens=args.eval_response_length, requested=time.time())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Learner ranks (torchrun): rank 0 talks to the generator and shares what it hears
-# ---------------------------------------------------------------------------------------------------------------
-def init_learner_group(use_cuda: bool) -> None:
-    # One group with a backend per device: DDP/FSDP reduce GPU tensors over NCCL, while reduce_sums and
-    # broadcast_object_list work on CPU tensors, which NCCL cannot carry (torch.distributed: "cpu:gloo,cuda:nccl").
-    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
-
-
-def share(obj, rank: int, world_size: int):
-    """Rank 0 talks to the generator; the other learner ranks get its messages (and its errors) from here."""
-    if world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], BaseException):
-        raise box[0] if rank == 0 else GeneratorError(f"rank 0 stopped: {box[0]}")
-    return box[0]
-
-
-def reduce_sums(sums: dict, world_size: int) -> dict:
-    """Sum scalar statistics over learner ranks (each rank holds an equal shard of the batch)."""
-    if world_size == 1:
-        return sums
-    values = torch.tensor(list(sums.values()), dtype=torch.float64)
-    dist.all_reduce(values)
-    return dict(zip(sums, values.tolist()))
-
-
-def reduce_max(value: float, world_size: int) -> float:
-    if world_size == 1:
-        return value
-    values = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values.item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -667,7 +544,7 @@ def evaluate(responses: list, prompts: list, reference_scores: dict, reward_mode
 
 def eval_record(sums: dict, step: int, args: Args) -> dict:
     n = int(sums["count"])
-    record = {"step": step, "episode": episodes_at(step, args), "eval/num_prompts": n,
+    record = {"step": step, "episode": plumbing.episodes_at(step, args), "eval/num_prompts": n,
               "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)),
               "eval/perplexity_paper": sums["paper_perplexity"] / n, "eval/eos_fraction": sums["eos"] / n}
     for name in ("proxy", "gold"):
@@ -678,28 +555,8 @@ def eval_record(sums: dict, step: int, args: Args) -> dict:
     return record
 
 
-def timeline(origin: float, **phases: tuple[float, float]) -> dict:
-    """`timeline/{phase}_start` and `_end` in seconds since `origin` (when training began): benchmarks/timeline.py
-    draws them."""
-    return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
-            for edge, t in zip(("start", "end"), span)}
-
-
-def log(record: dict, metrics_file, track: bool) -> None:
-    """One line of metrics.jsonl (and a wandb step with --track). Only rank 0 has a metrics file."""
-    if metrics_file is None:
-        return
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
-    if track:
-        import wandb
-
-        wandb.log({k: wandb.Table(columns=["prompt", "response"], data=[list(s.values()) for s in v])
-                   if k == "eval/samples" else v for k, v in record.items()})
-
-
 if __name__ == "__main__":
-    args = parse_args()
+    args = plumbing.parse_args(Args, TINY_DEFAULTS)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     compute_batch_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
     transformers.utils.logging.disable_progress_bar()
@@ -714,46 +571,24 @@ if __name__ == "__main__":
     args.dataset, args.gold_reward_model_path = args.dataset or data, args.gold_reward_model_path or gold
     for flag in ("sft_model_path", "reward_model_path", "gold_reward_model_path"):
         if getattr(args, flag):
-            check_model_path(flag, getattr(args, flag))
-    train_data, eval_data = load_prompt_splits(args.dataset, args.seed)
+            plumbing.check_model_path(flag, getattr(args, flag))
+    train_data, eval_data = plumbing.load_prompt_splits(args.dataset, args.seed)
     args.run_name = f"{args.model}__{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
 
-    # Devices: vLLM owns GPU 0, learner rank i uses GPU i+1 of its node (or shares GPU 0 when there are too few).
-    # On CPU the generator gets its own cores, so that generation and training really run side by side.
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        device = torch.device("cuda", local_rank + 1 if torch.cuda.device_count() > local_world_size else local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        all_cores = sorted(os.sched_getaffinity(0))
-        generator_cores = all_cores[-args.generator_cores:] if len(all_cores) > args.generator_cores else None
-        learner_cores = all_cores[: -args.generator_cores] if generator_cores else all_cores
-        os.sched_setaffinity(0, learner_cores)
-        torch.set_num_threads(max(1, len(learner_cores) // args.world_size))
+    # Devices: vLLM owns GPU 0, the learners the others; on CPU, generator and learner get cores of their own
+    device, generator_cores = plumbing.learner_device(local_rank, args.world_size, args.generator_cores)
+    use_cuda = device.type == "cuda"
     shares_gpu0 = use_cuda and device.index == 0
     dtype_name = args.dtype or ("bfloat16" if use_cuda else "float32")
     dtype = getattr(torch, dtype_name)
     if args.world_size > 1:
-        init_learner_group(use_cuda)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+        plumbing.init_learner_group(use_cuda)
+    plumbing.seed_everything(args.seed)
 
     # Logging (rank 0 only): metrics.jsonl, and wandb with --track
-    metrics_file = None
+    metrics_file = plumbing.open_metrics(args, rank)
     if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name, config=asdict(args),
-                       dir=args.output_dir, save_code=True)
-            wandb.define_metric("step")
-            wandb.define_metric("*", step_metric="step")
         print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds of "
               f"{args.batch_size * args.num_mini_batches} prompts x {args.num_samples} samples; metrics in "
               f"{args.output_dir}/metrics.jsonl", flush=True)
@@ -784,11 +619,11 @@ if __name__ == "__main__":
 
     def submit(request: dict) -> None:
         if rank == 0:
-            send(requests, request, generator)
+            plumbing.send(requests, request, generator)
 
     def collect() -> dict:
         """The generator's next result, on every rank (rank 0 receives it and broadcasts it)."""
-        return share(receive(results, generator) if rank == 0 else None, rank, args.world_size)
+        return plumbing.share(plumbing.receive(results, generator) if rank == 0 else None, rank, args.world_size)
 
     progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
     try:
@@ -800,21 +635,22 @@ if __name__ == "__main__":
         # reward models are loaded in `dtype`.
         tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
         if tokenizer.eos_token_id is None:
-            fail(f"--sft_model_path {args.sft_model_path}: the tokenizer has no EOS token")
+            plumbing.fail(f"--sft_model_path {args.sft_model_path}: the tokenizer has no EOS token")
         eos_id = tokenizer.eos_token_id
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id  # masks say what is padding
         policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device)
-        policy = prepare_policy(policy, args.gradient_checkpointing)
+        policy = plumbing.prepare_policy(policy, args.gradient_checkpointing)
         ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device)
         ref_policy.eval().requires_grad_(False)
-        reward_models = {"proxy": load_reward_model("reward_model_path", args.reward_model_path, dtype, device)}
+        reward_models = {"proxy": plumbing.load_reward_model("reward_model_path", args.reward_model_path, dtype,
+                                                             device)}
         if args.gold_reward_model_path:
-            reward_models["gold"] = load_reward_model("gold_reward_model_path", args.gold_reward_model_path, dtype,
-                                                      device)
+            reward_models["gold"] = plumbing.load_reward_model("gold_reward_model_path", args.gold_reward_model_path,
+                                                               dtype, device)
         # The value model starts as the reward model (as the paper's PPO does) and trains beside the policy
         value_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, dtype=torch.float32,
                                                                          num_labels=1).to(device)
-        value_model = prepare_policy(value_model, args.gradient_checkpointing)
+        value_model = plumbing.prepare_policy(value_model, args.gradient_checkpointing)
         policy_and_value = PolicyAndValue(policy, value_model)
         if args.fsdp:  # shard every transformer block, then each top-level piece (embeddings, heads) as its own
             from torch.distributed.fsdp import fully_shard  # unit, so that get_reward may call the score head directly
@@ -868,11 +704,11 @@ if __name__ == "__main__":
             responses = message["responses"][rank:: args.world_size]
             sums = evaluate(responses, my_eval_prompts[: len(responses)], reference_scores, reward_models,
                             ref_policy, args, pad_id, eos_id, device, autocast)
-            record = eval_record(reduce_sums(sums, args.world_size), message["generation_version"], args)
+            record = eval_record(plumbing.reduce_sums(sums, args.world_size), message["generation_version"], args)
             record["time/eval"] = time.time() - start
             record["time/elapsed"] = time.time() - training_start if training_start else 0.0
             if training_start:
-                record.update(timeline(training_start, evaluation=(start, time.time()), eval_queued=(
+                record.update(plumbing.timeline(training_start, evaluation=(start, time.time()), eval_queued=(
                     message["requested"], message["weight_load_start"]), eval_generation=(
                     message["generation_start"], message["generation_end"])))
             if rank == 0:
@@ -886,7 +722,7 @@ if __name__ == "__main__":
                     f", perplexity {record['eval/perplexity']:.3f} (paper's: {record['eval/perplexity_paper']:.3f})")
                 for sample in record["eval/samples"]:
                     tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
-            log(record, metrics_file, args.track)
+            plumbing.log(record, metrics_file, args.track)
 
         def next_batch() -> tuple[dict, float]:
             """Wait for the next training batch, scoring any evaluation that arrives first. Returns the batch and
@@ -962,7 +798,7 @@ if __name__ == "__main__":
             for epoch in range(args.num_epochs):
                 for mini_batch in range(args.num_mini_batches):
                     mb = slice(mini_batch * L * K, (mini_batch + 1) * L * K)
-                    num_tokens = reduce_sums({"n": response_mask[mb].sum().item()}, args.world_size)["n"]
+                    num_tokens = plumbing.reduce_sums({"n": response_mask[mb].sum().item()}, args.world_size)["n"]
                     micro_batches = [{k: v[s: s + M * K] for k, v in episodes.items()}
                                      for s in range(mb.start, mb.stop, M * K)]
                     step_sums, ratio_max = ppo_update(policy_and_value, optimizer, scheduler, micro_batches,
@@ -970,7 +806,7 @@ if __name__ == "__main__":
                     version += 1
 
                     # Sums over this rank's share, reduced over ranks, then averaged per response token or episode
-                    sums = reduce_sums({
+                    sums = plumbing.reduce_sums({
                         **step_sums, "objective/kl": kl[mb].sum().item(),
                         "objective/non_score_reward": -args.kl_coef * kl[mb].sum().item(),
                         "objective/rlhf_reward": scores[mb].sum().item() - args.kl_coef * kl[mb].sum().item(),
@@ -979,12 +815,12 @@ if __name__ == "__main__":
                         "logps/generator_gap_sq": (generator_gap[mb] ** 2).sum().item(),
                         "response/length": response_mask[mb].sum().item()}, args.world_size)
                     per_token = ("loss/", "policy/", "value/clipfrac")
-                    record = {"step": version, "episode": episodes_at(version, args), "round": round_index,
+                    record = {"step": version, "episode": plumbing.episodes_at(version, args), "round": round_index,
                               "generation_version": batch["generation_version"],
                               "staleness": version - 1 - batch["generation_version"], "lr": scheduler.get_last_lr()[0],
                               **{k: v / (num_tokens if k.startswith(per_token) else args.batch_size * K)
                                  for k, v in sums.items()},
-                              "policy/ratio_max": reduce_max(ratio_max, args.world_size),
+                              "policy/ratio_max": plumbing.reduce_max(ratio_max, args.world_size),
                               "value/explained_variance": explained_variance}
                     record["logps/generator_gap_std"] = math.sqrt(max(record.pop("logps/generator_gap_sq")
                                                                       - record["logps/generator_gap"] ** 2, 0.0))
@@ -994,11 +830,11 @@ if __name__ == "__main__":
                                      learner_wait=(wait_start, wait_end), weight_sync=(sync_start, sync_end),
                                      training=(train_start, time.time()))
                         record.update({f"time/{phase}": end - start for phase, (start, end) in spans.items()})
-                        record.update(timeline(training_start, **spans))
+                        record.update(plumbing.timeline(training_start, **spans))
                         # the waiting time, evaluations scored meanwhile excluded; the whole round
                         record.update({"time/learner_wait": learner_wait, "time/step": time.time() - round_start})
                     record["time/elapsed"] = time.time() - training_start
-                    log(record, metrics_file, args.track)
+                    plumbing.log(record, metrics_file, args.track)
                     progress.update(1)
                     progress.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['objective/kl']:.3f}",
                                          staleness=record["staleness"])
@@ -1021,9 +857,9 @@ if __name__ == "__main__":
                 policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
                 tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
                 print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
-    except GeneratorError as error:
+    except plumbing.GeneratorError as error:
         if args.world_size > 1 and rank == 0:
-            share(error, rank, args.world_size)  # let the other ranks stop too
+            plumbing.share(error, rank, args.world_size)  # let the other ranks stop too
         progress.close()
         hint = "\n(the learner shares GPU 0 with vLLM: lower --vllm_gpu_memory_utilization)" if shares_gpu0 else ""
         log_hint = f"\nvLLM's log: {args.output_dir}/generator.log" if rank == 0 and not args.verbose else ""
@@ -1035,11 +871,8 @@ if __name__ == "__main__":
         raise SystemExit(130)
     finally:
         if generator is not None:
-            stop_generator(generator, requests, results, run_tmp_dir)
-        if metrics_file is not None:
-            metrics_file.close()
-            if args.track:
-                wandb.finish()
+            plumbing.stop_generator(generator, requests, results, run_tmp_dir)
+        plumbing.close_metrics(metrics_file, args.track)
         if args.world_size > 1 and dist.is_initialized():
             # DDP's and FSDP's state holds the process group: free them first, so that the group is torn down while
             # all it uses is alive (else a gloo thread can abort the process at exit, now and then)

@@ -32,6 +32,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import async_dpo  # noqa: E402
+import plumbing  # noqa: E402
 
 GIB = 2**30
 PYTHIA = {  # hidden size, layers, heads (from the EleutherAI Pythia configs; vocabulary 50304, intermediate 4x hidden)
@@ -143,7 +144,7 @@ def learner_step(args: Args, device: torch.device) -> None:
 
     config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    policy = async_dpo.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
+    policy = plumbing.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
     ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
     reward_model = GPTNeoXForSequenceClassification(config).to(dtype)
     reward_model.score.float()
@@ -197,7 +198,7 @@ def precision_parity(args: Args, device: torch.device) -> None:
 
     config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    policy = async_dpo.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
+    policy = plumbing.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
     reference.load_state_dict(policy.state_dict())  # what the scripts load: the SFT weights in float32
     old_regime = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
@@ -305,19 +306,19 @@ def weight_handoff(args: Args, device: torch.device) -> None:
 def collectives_worker() -> None:
     """(b) One torchrun rank: the scripts' process group, their reduce_sums and share, and a DDP step."""
     use_cuda = torch.cuda.is_available()
-    async_dpo.init_learner_group(use_cuda)
+    plumbing.init_learner_group(use_cuda)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    sums = async_dpo.reduce_sums({"rank": float(rank), "one": 1.0}, world_size)
+    sums = plumbing.reduce_sums({"rank": float(rank), "one": 1.0}, world_size)
     assert sums == {"rank": sum(range(world_size)), "one": world_size}, sums
-    message = async_dpo.share({"kind": "train", "round": 3} if rank == 0 else None, rank, world_size)
+    message = plumbing.share({"kind": "train", "round": 3} if rank == 0 else None, rank, world_size)
     assert message == {"kind": "train", "round": 3}, message
     try:
-        async_dpo.share(async_dpo.GeneratorError("test") if rank == 0 else None, rank, world_size)
+        plumbing.share(plumbing.GeneratorError("test") if rank == 0 else None, rank, world_size)
         raise AssertionError("share did not raise the generator's error")
-    except async_dpo.GeneratorError:
+    except plumbing.GeneratorError:
         pass
     if not use_cuda or torch.cuda.device_count() >= world_size:  # NCCL needs one GPU per rank
         model = torch.nn.Linear(4, 1).to(device)

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import async_dpo
+import plumbing
 
 
 def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
@@ -37,12 +38,12 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
                             args=(engine, buffer, table, requests, results, None, tempfile.mkdtemp(), None))
     generator.start()
     try:
-        assert async_dpo.receive(results, generator)["kind"] == "ready"
+        assert plumbing.receive(results, generator)["kind"] == "ready"
 
         def generate(version: int) -> dict:
-            async_dpo.send(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
+            plumbing.send(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
                                           temperature=0.0, max_tokens=12), generator)
-            return async_dpo.receive(results, generator)
+            return plumbing.receive(results, generator)
 
         def cut(tokens: list) -> list:  # HF keeps generating pads after EOS; vLLM stops
             return tokens[: tokens.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in tokens else tokens

@@ -6,19 +6,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import async_dpo
+import plumbing
 from async_dpo import (
     Args,
     collate,
     compute_batch_sizes,
     dpo_loss,
-    episodes_at,
     eval_record,
     evaluate,
     get_reward,
-    load_reward_model,
     make_weight_buffer,
-    prepare_policy,
     select_pairs,
     sequence_logprobs,
     truncate_at_eos,
@@ -85,7 +82,7 @@ def test_sequence_logprobs_are_temperature_scaled_and_ignore_padding(tiny_dir):
 
 
 def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_dir):
-    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
+    reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: a long title here\n\nTL;DR:", "TL;DR:"])
     eos = tokenizer.eos_token_id
     scores = get_reward(reward_model, *collate(prompts, [[5, eos], [6, 7, 8]], eos, CPU), [True, False], -7.0)
@@ -98,7 +95,8 @@ def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_di
 
 def test_reward_head_scores_in_float32_under_bfloat16(tiny_dir):
     """The backbone may run in bfloat16, but close scores must not round to the same bfloat16 value (false ties)."""
-    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.bfloat16, CPU)
+    reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.bfloat16,
+                                              CPU)
     assert reward_model.score.weight.dtype == torch.float32
     tokenizer, prompts = _encode(tiny_dir, [f"TITLE: post number {i}\n\nTL;DR:" for i in range(16)])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -110,7 +108,7 @@ def test_reward_head_scores_in_float32_under_bfloat16(tiny_dir):
 
 def test_a_checkpoint_without_a_trained_score_head_is_refused(tiny_dir, capsys):
     with pytest.raises(SystemExit):
-        load_reward_model("reward_model_path", os.path.join(tiny_dir, "sft"), torch.float32, CPU)
+        plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "sft"), torch.float32, CPU)
     err = capsys.readouterr().err
     assert "--reward_model_path" in err and "score" in err
 
@@ -120,7 +118,8 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir
     inputs = collate(prompts * 2, [[5, 6, 7], [8, 9]], tokenizer.eos_token_id, CPU)
     gradients, forward_calls = [], []
     for checkpointing in (False, True):
-        policy = prepare_policy(AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft")), checkpointing)
+        sft = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
+        policy = plumbing.prepare_policy(sft, checkpointing)
         assert policy.training
         calls = []
         # a pre-hook: the recomputation stops early, once it has what backward needs, so a post-hook may not fire
@@ -134,7 +133,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir
 
 
 def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perplexities(tiny_dir):
-    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
+    reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
     sft = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: my cat\n\nTL;DR:", "TITLE: my job\n\nTL;DR:"])
     eos = tokenizer.eos_token_id
@@ -170,8 +169,8 @@ def test_batch_size_arithmetic_and_episodes_count_prompts_consumed():
     assert (args.local_batch_size, args.gradient_accumulation_steps) == (128, 16)
     assert (args.num_rounds, args.num_steps) == (128, 128 * 2 * 3)
     # A round: 2 mini-batches of 512 prompts, 3 epochs over them -> 6 steps that consume 1024 prompts
-    assert [episodes_at(step, args) for step in range(8)] == [0, 512, 1024, 1024, 1024, 1024, 1024, 1536]
-    assert episodes_at(args.num_steps, args) == args.total_episodes
+    assert [plumbing.episodes_at(step, args) for step in range(8)] == [0, 512, 1024, 1024, 1024, 1024, 1024, 1536]
+    assert plumbing.episodes_at(args.num_steps, args) == args.total_episodes
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -208,7 +207,7 @@ def test_weight_snapshot_is_independent_of_the_optimizer(tiny_dir):
 
 
 def test_tiny_assets_have_the_hub_dataset_columns(tiny_dir):
-    train, validation = async_dpo.load_prompt_splits(os.path.join(tiny_dir, "data"), seed=1)
+    train, validation = plumbing.load_prompt_splits(os.path.join(tiny_dir, "data"), seed=1)
     for split in (train, validation):
         assert {"query", "reference_response"} <= set(split.column_names)
         assert split[0]["query"].startswith("SUBREDDIT: r/") and split[0]["query"].endswith("\n\nTL;DR:")
