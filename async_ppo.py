@@ -359,7 +359,7 @@ def ppo_losses(logprobs, old_logprobs, advantages, values, old_values, returns, 
             ratio, clipped_policy_losses > policy_losses, clipped_value_losses > value_losses)
 
 
-def ppo_update(model, optimizer, scheduler, micro_batches: list[dict], num_tokens: float, args: Args, pad_id: int,
+def ppo_update(learner, optimizer, scheduler, micro_batches: list[dict], num_tokens: float, args: Args, pad_id: int,
                device: torch.device, autocast) -> tuple[dict, float]:
     """One optimizer step of policy and value model on one mini-batch, accumulating gradients over its
     micro-batches. Losses are means over the response tokens of all ranks (DDP and FSDP average gradients over
@@ -374,8 +374,8 @@ def ppo_update(model, optimizer, scheduler, micro_batches: list[dict], num_token
         inputs, response_mask = collate(micro["prompts"], micro["responses"], pad_id, device)
         width = response_mask.shape[1]
         old = {k: micro[k][:, :width].to(device) for k in ("old_logprobs", "advantages", "values", "returns")}
-        with model.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
-            logits, values = model(inputs, width)
+        with learner.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
+            logits, values = learner(inputs, width)
             logprobs, entropy = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
             policy_losses, value_losses, ratio, policy_clipped, value_clipped = ppo_losses(
                 logprobs, old["old_logprobs"], old["advantages"], values.float(), old["values"], old["returns"],
@@ -391,7 +391,7 @@ def ppo_update(model, optimizer, scheduler, micro_batches: list[dict], num_token
                 sums[key] += (value * mask).sum().item()
             ratio_max = max(ratio_max, (ratio * mask).max().item())
     if args.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -651,7 +651,8 @@ if __name__ == "__main__":
         value_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, dtype=torch.float32,
                                                                          num_labels=1).to(device)
         value_model = plumbing.prepare_policy(value_model, args.gradient_checkpointing)
-        policy_and_value = PolicyAndValue(policy, value_model)
+        # what trains: the policy and the value model as one module (FSDP2 shards it in place), or its DDP wrapper
+        learner = PolicyAndValue(policy, value_model)
         if args.fsdp:  # shard every transformer block, then each top-level piece (embeddings, heads) as its own
             from torch.distributed.fsdp import fully_shard  # unit, so that get_reward may call the score head directly
 
@@ -662,11 +663,11 @@ if __name__ == "__main__":
                 for child in model.children():
                     fully_shard(child)
                 fully_shard(model)
-            fully_shard(policy_and_value)
+            fully_shard(learner)
         elif args.world_size > 1:
-            policy_and_value = torch.nn.parallel.DistributedDataParallel(
-                policy_and_value, device_ids=[device] if use_cuda else None, gradient_as_bucket_view=True)
-        optimizer = torch.optim.AdamW(policy_and_value.parameters(), lr=args.learning_rate, fused=use_cuda)
+            learner = torch.nn.parallel.DistributedDataParallel(
+                learner, device_ids=[device] if use_cuda else None, gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / args.num_steps)
         autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
 
@@ -765,7 +766,7 @@ if __name__ == "__main__":
                 submit(eval_request(version, eval_prompts[:num_eval], args))
             sync_end = time.time()
 
-            # Score every completion of this rank's prompts (each of the K completions of a prompt is an episode)
+            # ALGO: score every completion of this rank's prompts (each of the K completions of a prompt is an episode)
             train_start = time.time()
             prompts = [train_prompts[rounds[round_index][i]] for i in local for _ in range(K)]
             completions = [i * K + k for i in local for k in range(K)]
@@ -777,7 +778,7 @@ if __name__ == "__main__":
             response_mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
             ref_logprobs = logprobs_in_chunks(ref_policy, prompts, responses, args.temperature, M * K, pad_id, device,
                                               autocast)
-            learner_logprobs, values = rollout_in_chunks(policy_and_value, prompts, responses, args.temperature,
+            learner_logprobs, values = rollout_in_chunks(learner, prompts, responses, args.temperature,
                                                          M * K, pad_id, device, autocast)
             # pi_old is the policy that sampled the batch: vLLM's log-probs of what it sampled, one step behind the
             # learner. The paper's code recomputed them with the learner (--recompute_old_logprobs), hiding that.
@@ -794,14 +795,14 @@ if __name__ == "__main__":
             episodes = dict(prompts=prompts, responses=responses, old_logprobs=old_logprobs, advantages=advantages,
                             values=values, returns=returns)
 
-            # N mini-batches x T epochs of PPO updates on this round's episodes
+            # ALGO: N mini-batches x T epochs of PPO updates on this round's episodes
             for epoch in range(args.num_epochs):
                 for mini_batch in range(args.num_mini_batches):
                     mb = slice(mini_batch * L * K, (mini_batch + 1) * L * K)
                     num_tokens = plumbing.reduce_sums({"n": response_mask[mb].sum().item()}, args.world_size)["n"]
                     micro_batches = [{k: v[s: s + M * K] for k, v in episodes.items()}
                                      for s in range(mb.start, mb.stop, M * K)]
-                    step_sums, ratio_max = ppo_update(policy_and_value, optimizer, scheduler, micro_batches,
+                    step_sums, ratio_max = ppo_update(learner, optimizer, scheduler, micro_batches,
                                                       num_tokens, args, pad_id, device, autocast)
                     version += 1
 
@@ -876,6 +877,6 @@ if __name__ == "__main__":
         if args.world_size > 1 and dist.is_initialized():
             # DDP's and FSDP's state holds the process group: free them first, so that the group is torn down while
             # all it uses is alive (else a gloo thread can abort the process at exit, now and then)
-            policy = value_model = policy_and_value = ref_policy = reward_models = optimizer = scheduler = None
+            policy = value_model = learner = ref_policy = reward_models = optimizer = scheduler = None
             gc.collect()
             dist.destroy_process_group()

@@ -287,7 +287,7 @@ def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     return torch.max(losses, clipped_losses), ratio, clipped_losses > losses
 
 
-def rloo_update(policy, optimizer, scheduler, micro_batches: list[dict], num_completions: float, args: Args,
+def rloo_update(learner, optimizer, scheduler, micro_batches: list[dict], num_completions: float, args: Args,
                 pad_id: int, device: torch.device, autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                       torch.Tensor]:
     """One optimizer step on one mini-batch, accumulating gradients over its micro-batches. The loss is the mean over
@@ -299,14 +299,14 @@ def rloo_update(policy, optimizer, scheduler, micro_batches: list[dict], num_com
         # FSDP2 reduce-scatters every micro-batch: skipping it would hold full, unsharded float32 gradients
         skip_sync = args.world_size > 1 and not args.fsdp and not sync_gradients  # DDP: all-reduce on the last
         inputs, response_mask = collate(micro["prompts"], micro["responses"], pad_id, device)
-        with policy.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
-            logps = sequence_logprobs(policy, inputs, response_mask, args.temperature)[0]
+        with learner.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
+            logps = sequence_logprobs(learner, inputs, response_mask, args.temperature)[0]
             losses, ratio, clipped = rloo_loss(logps, micro["old_logps"].to(device), micro["advantages"].to(device),
                                                args.cliprange)
             (losses.sum() * args.world_size / num_completions).backward()
         outputs.append(torch.stack([losses, logps, ratio, clipped.float()]).detach().cpu())
     if args.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -561,7 +561,7 @@ if __name__ == "__main__":
         if args.gold_reward_model_path:
             reward_models["gold"] = plumbing.load_reward_model("gold_reward_model_path", args.gold_reward_model_path,
                                                                dtype, device)
-        unwrapped_policy = policy
+        learner = policy  # what trains: the policy itself (FSDP2 shards it in place) or its DDP wrapper
         if args.fsdp:  # shard every transformer block, then each top-level piece (embeddings, heads) as its own
             from torch.distributed.fsdp import fully_shard  # unit, so that get_reward may call the score head directly
 
@@ -573,9 +573,9 @@ if __name__ == "__main__":
                     fully_shard(child)
                 fully_shard(model)
         elif args.world_size > 1:
-            policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if use_cuda else None,
-                                                               gradient_as_bucket_view=True)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, fused=use_cuda)
+            learner = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if use_cuda else None,
+                                                                gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / args.num_steps)
         autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
 
@@ -664,7 +664,7 @@ if __name__ == "__main__":
             # one. The buffer is free to rewrite: the generator loaded the previous weights before producing `batch`.
             sync_start = time.time()
             if version != synced_version:
-                write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
+                write_weight_snapshot(policy, weight_buffer, weight_layout)
                 synced_version = version
             if round_index + 1 < args.num_rounds:
                 submit(train_request(round_index + 1, version, [train_prompts[i] for i in rounds[round_index + 1]],
@@ -674,7 +674,7 @@ if __name__ == "__main__":
                 submit(eval_request(version, eval_prompts[:num_eval], args))
             sync_end = time.time()
 
-            # Score every completion of this rank's prompts; the K completions of a prompt are each other's baseline
+            # ALGO: score every completion of this rank's prompts; a prompt's K completions are each other's baseline
             train_start = time.time()
             prompts = [train_prompts[rounds[round_index][i]] for i in local for _ in range(K)]
             completions = [i * K + k for i in local for k in range(K)]
@@ -701,13 +701,13 @@ if __name__ == "__main__":
                 advantages = (advantages - advantage_mean) / (advantage_std + 1e-8)
             episodes = dict(prompts=prompts, responses=responses, old_logps=old_logps, advantages=advantages)
 
-            # N mini-batches x T epochs of clipped RLOO updates on this round's completions
+            # ALGO: N mini-batches x T epochs of clipped RLOO updates on this round's completions
             for epoch in range(args.num_epochs):
                 for mini_batch in range(args.num_mini_batches):
                     mb = slice(mini_batch * L * K, (mini_batch + 1) * L * K)
                     micro_batches = [{k: v[s: s + M * K] for k, v in episodes.items()}
                                      for s in range(mb.start, mb.stop, M * K)]
-                    losses, logps, ratio, clipped = rloo_update(policy, optimizer, scheduler, micro_batches,
+                    losses, logps, ratio, clipped = rloo_update(learner, optimizer, scheduler, micro_batches,
                                                                 args.batch_size * K, args, pad_id, device, autocast)
                     version += 1
 
@@ -750,17 +750,17 @@ if __name__ == "__main__":
         # before the buffer is rewritten, or it could run on a mix of two versions.
         while evaluated_versions[-1] != last_eval:
             run_evaluation(collect())
-        write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
+        write_weight_snapshot(policy, weight_buffer, weight_layout)
         submit(eval_request(version, eval_prompts, args, final=True))
         run_evaluation(collect())
         progress.close()
         if args.save_model:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            full_state = get_model_state_dict(unwrapped_policy, options=StateDictOptions(
+            full_state = get_model_state_dict(policy, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True)) if args.fsdp else None  # a collective under FSDP2
             if rank == 0:
-                unwrapped_policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
+                policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
                 tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
                 print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
     except plumbing.GeneratorError as error:
@@ -782,6 +782,6 @@ if __name__ == "__main__":
         if args.world_size > 1 and dist.is_initialized():
             # DDP's and FSDP's state holds the process group: free them first, so that the group is torn down while
             # all it uses is alive (else a gloo thread can abort the process at exit, now and then)
-            policy = unwrapped_policy = ref_policy = reward_models = optimizer = scheduler = None
+            policy = learner = ref_policy = reward_models = optimizer = scheduler = None
             gc.collect()
             dist.destroy_process_group()

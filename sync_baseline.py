@@ -288,7 +288,7 @@ def hf_generate(model, prompts: list, n: int, temperature: float, max_tokens: in
     return responses
 
 
-def dpo_update(policy, optimizer, scheduler, micro_batches: list[dict], num_valid: float, args: Args, pad_id: int,
+def dpo_update(learner, optimizer, scheduler, micro_batches: list[dict], num_valid: float, args: Args, pad_id: int,
                device: torch.device, autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step on one mini-batch, accumulating gradients over its micro-batches. The loss is the mean over
     the valid pairs of all ranks (DDP and FSDP average gradients over ranks, hence the world_size factor).
@@ -299,15 +299,15 @@ def dpo_update(policy, optimizer, scheduler, micro_batches: list[dict], num_vali
         # FSDP2 reduce-scatters every micro-batch: skipping it would hold full, unsharded float32 gradients
         skip_sync = args.world_size > 1 and not args.fsdp and not sync_gradients  # DDP: all-reduce on the last
         inputs, response_mask = collate(micro["prompts"] * 2, micro["chosen"] + micro["rejected"], pad_id, device)
-        with policy.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
-            chosen_logps, rejected_logps = sequence_logprobs(policy, inputs, response_mask,
+        with learner.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
+            chosen_logps, rejected_logps = sequence_logprobs(learner, inputs, response_mask,
                                                              args.temperature)[0].chunk(2)
             losses = dpo_loss(chosen_logps, rejected_logps, micro["ref_chosen_logps"].to(device),
                               micro["ref_rejected_logps"].to(device), args.beta)
             ((losses * micro["valid"].to(device)).sum() * args.world_size / num_valid).backward()
         outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
     if args.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -555,7 +555,7 @@ if __name__ == "__main__":
         n, mine = request["n"], range(rank, len(request["prompts"]), args.world_size) if request["kind"] == "eval" \
             else local
         with autocast:
-            sampled = hf_generate(unwrapped_policy, [request["prompts"][i] for i in mine], n, request["temperature"],
+            sampled = hf_generate(policy, [request["prompts"][i] for i in mine], n, request["temperature"],
                                   request["max_tokens"], pad_id, eos_id, args.per_device_train_batch_size)
         responses = [None] * (len(request["prompts"]) * n)
         for j, i in enumerate(mine):
@@ -566,7 +566,7 @@ if __name__ == "__main__":
 
     progress = tqdm(total=args.num_steps, desc=args.exp_name, disable=rank != 0, dynamic_ncols=True)
     try:
-        if shares_gpu0 and generator is not None:
+        if shares_gpu0 and args.generation_backend == "vllm":
             collect()  # the engine's "ready": it has measured GPU 0's free memory and taken its share
 
         # Models: the policy trains in float32 (under autocast on GPU), and the reference runs exactly as it does
@@ -586,7 +586,7 @@ if __name__ == "__main__":
         if args.gold_reward_model_path:
             reward_models["gold"] = plumbing.load_reward_model("gold_reward_model_path", args.gold_reward_model_path,
                                                                dtype, device)
-        unwrapped_policy = policy
+        learner = policy  # what trains: the policy itself (FSDP2 shards it in place) or its DDP wrapper
         if args.fsdp:  # shard every transformer block, then each top-level piece (embeddings, heads) as its own
             from torch.distributed.fsdp import fully_shard  # unit, so that get_reward may call the score head directly
 
@@ -598,9 +598,9 @@ if __name__ == "__main__":
                     fully_shard(child)
                 fully_shard(model)
         elif args.world_size > 1:
-            policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if use_cuda else None,
-                                                               gradient_as_bucket_view=True)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, fused=use_cuda)
+            learner = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if use_cuda else None,
+                                                                gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / args.num_steps)
         autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
 
@@ -625,7 +625,7 @@ if __name__ == "__main__":
                                                   args.missing_eos_penalty if name == "proxy" else None,
                                                   args.per_device_train_batch_size * K, pad_id, device)
                             for name, model in reward_models.items()}
-        if not shares_gpu0 and generator is not None:
+        if not shares_gpu0 and args.generation_backend == "vllm":
             collect()  # the engine's "ready": it was built while we loaded our models
         training_start = None
 
@@ -683,7 +683,7 @@ if __name__ == "__main__":
             # the generator works, and the generator idles while the learner trains. The data is always on-policy.
             sync_start = time.time()
             if version != synced_version:
-                write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
+                write_weight_snapshot(policy, weight_buffer, weight_layout)
                 synced_version = version
             submit(train_request(round_index, version, [train_prompts[i] for i in rounds[round_index]], args))
             if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
@@ -696,7 +696,7 @@ if __name__ == "__main__":
             if batch["round"] != round_index:
                 raise RuntimeError(f"expected the batch of round {round_index}, got round {batch['round']}")
 
-            # Score every completion of this rank's prompts; the best and worst of each prompt's K form its pair
+            # ALGO: score every completion of this rank's prompts; the best and worst of each prompt's K form its pair
             train_start = time.time()
             prompts = [train_prompts[rounds[round_index][i]] for i in local]
             responses, has_eos = truncate_at_eos([batch["responses"][i * K + k] for i in local for k in range(K)],
@@ -716,13 +716,13 @@ if __name__ == "__main__":
             generator_logps = torch.tensor([batch["logprobs"][i * K + k] for i in local for k in range(K)]) \
                 if batch["logprobs"] is not None else torch.full((len(local) * K,), float("nan"))
 
-            # N mini-batches x T epochs of DPO updates on this round's pairs
+            # ALGO: N mini-batches x T epochs of DPO updates on this round's pairs
             for epoch in range(args.num_epochs):
                 for mini_batch in range(args.num_mini_batches):
                     mb = slice(mini_batch * L, (mini_batch + 1) * L)
                     num_valid = max(plumbing.reduce_sums({"v": valid[mb].sum().item()}, args.world_size)["v"], 1.0)
                     micro_batches = [{k: v[s: s + M] for k, v in pairs.items()} for s in range(mb.start, mb.stop, M)]
-                    losses, chosen_logps, rejected_logps = dpo_update(policy, optimizer, scheduler, micro_batches,
+                    losses, chosen_logps, rejected_logps = dpo_update(learner, optimizer, scheduler, micro_batches,
                                                                       num_valid, args, pad_id, device, autocast)
                     version += 1
 
@@ -769,17 +769,17 @@ if __name__ == "__main__":
         # before the buffer is rewritten, or it could run on a mix of two versions.
         while evaluated_versions[-1] != last_eval:
             run_evaluation(collect())
-        write_weight_snapshot(unwrapped_policy, weight_buffer, weight_layout)
+        write_weight_snapshot(policy, weight_buffer, weight_layout)
         submit(eval_request(version, eval_prompts, args, final=True))
         run_evaluation(collect())
         progress.close()
         if args.save_model:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            full_state = get_model_state_dict(unwrapped_policy, options=StateDictOptions(
+            full_state = get_model_state_dict(policy, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True)) if args.fsdp else None  # a collective under FSDP2
             if rank == 0:
-                unwrapped_policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
+                policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
                 tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
                 print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
     except plumbing.GeneratorError as error:
@@ -801,6 +801,6 @@ if __name__ == "__main__":
         if args.world_size > 1 and dist.is_initialized():
             # DDP's and FSDP's state holds the process group: free them first, so that the group is torn down while
             # all it uses is alive (else a gloo thread can abort the process at exit, now and then)
-            policy = unwrapped_policy = ref_policy = reward_models = optimizer = scheduler = None
+            policy = learner = ref_policy = reward_models = optimizer = scheduler = None
             gc.collect()
             dist.destroy_process_group()

@@ -64,3 +64,14 @@ def test_uneven_evaluation_split_is_scored_whole(tiny_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     _, evals = read_metrics(str(tmp_path))
     assert [r["eval/num_prompts"] for r in evals] == [65, 129]
+
+
+def test_sync_baseline_under_torchrun(tiny_dir, tmp_path):
+    """Every rank takes the engine's "ready" message, not only the rank that owns the generator (a second rank used
+    to read it as the first evaluation and fail)."""
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), "--total_episodes",
+                        "64", "--num_eval_prompts", "16", script="sync_baseline.py",
+                        launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps, evals = read_metrics(str(tmp_path))
+    assert [r["staleness"] for r in steps] == [0, 0] and [r["step"] for r in evals] == [0, 2]
