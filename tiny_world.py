@@ -27,6 +27,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 
@@ -47,7 +48,10 @@ TOPICS = {subreddit: words.split() for subreddit, words in TOPICS.items()}
 FILLERS = "the and a so then just really very about with my it was is that this".split()
 EOS = "<|endoftext|>"
 REFERENCE_PATTERNS = ["K K the", "K the K K", "K K K the"]  # judge scores 1.5, 2.5, 2.5 of a possible 4
-SFT_WIN_RATE_RANGE = (0.2, 0.4)  # the SFT seed is chosen so that its gold win rate lands here (target: 0.15-0.45)
+# The SFT policy is chosen so that its gold win rate lands here: inside the target (0.15-0.45), with room for the
+# tests' recomputation of it (within 0.02 of the build's figure)
+SFT_WIN_RATE_RANGE = (0.17, 0.43)
+SFT_STEPS, SFT_SEEDS, SFT_SNAPSHOTS = 90, 8, (85, 80, 75, 70)  # see build_tldr, step 3
 PROXY_AGREEMENT = 0.8  # the proxy trains until it orders this share of held-out pairs as the gold model does
 
 
@@ -138,9 +142,11 @@ def judge_tokens(tokenizer, query: str, tokens: list[int]) -> float:
     return judge(query, tokenizer.decode(tokens[:-1] if has_eos else tokens), has_eos)
 
 
-def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: float = 3e-3, batch_size: int = 32):
+def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: float = 3e-3, batch_size: int = 32,
+              after_step=None):
     """SFT on the summary tokens only (the prompt is masked): trained on whole sequences, a model this small spends
-    itself on modelling random posts and never learns to summarise."""
+    itself on modelling random posts and never learns to summarise. `after_step(step, policy)`, if given, is called
+    after each optimizer step (1, 2, ...): to keep snapshots, or to report progress."""
     from transformers import GPTNeoXForCausalLM
 
     torch.manual_seed(seed)
@@ -148,7 +154,7 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: fl
     policy = GPTNeoXForCausalLM(config)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         batch = rng.sample(rows, batch_size)
         queries, summaries = encode(tokenizer, [r["query"] for r in batch]), encode(
             tokenizer, [r["reference_response"] for r in batch])
@@ -160,6 +166,8 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: fl
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step, policy)
     return policy.eval()
 
 
@@ -292,18 +300,55 @@ def agreement(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
     return agree / total
 
 
+class Progress:
+    """One line per phase of a build, with the seconds since it started: a build takes minutes and must not look
+    like a hang."""
+
+    def __init__(self, what: str, tiny_dir: str):
+        self.started = time.time()
+        self(f"building {what} once, in {tiny_dir} (minutes; later runs reuse it)", stamp=False)
+
+    def __call__(self, message: str, stamp: bool = True) -> None:
+        print(f"tiny world: {message}" + (f" ({self.seconds():.0f} s)" if stamp else ""), file=sys.stderr, flush=True)
+
+    def seconds(self) -> float:
+        return time.time() - self.started
+
+
+def build_in_own_process(kind: str, tiny_dir: str, *options: str) -> None:
+    """Build a world in a child process whose OpenMP threads go to sleep soon when they wait. By default torch's
+    threads spin for a while at every barrier, which costs nothing on idle cores; on cores busy with other work a
+    spinning thread holds the core its partner needs, and 90 SFT steps that take 4 s alone took 28-66 s beside a
+    second such job (measured on 2 cores), 8 s with GOMP_SPINCOUNT=1000 (and 3.7 s alone). The setting takes effect
+    only before torch starts, hence the child; the threads split the work as before, so the world is the same."""
+    import subprocess
+
+    env = dict(os.environ)
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:  # (a user's own setting wins)
+        env["GOMP_SPINCOUNT"] = "1000"
+    code = subprocess.run([sys.executable, os.path.abspath(__file__), "--build", kind, tiny_dir, *options],
+                          env=env).returncode
+    if code != 0:
+        raise RuntimeError(f"building the {kind} world in {tiny_dir} failed (exit code {code}; its error is above)")
+
+
 def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
     """Build the world once (cached in `tiny_dir`); return the SFT policy's, the proxy reward model's, the dataset's
     and the gold reward model's folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = tuple(os.path.join(tiny_dir, name) for name in ("sft", "proxy", "data", "gold"))
-    if os.path.exists(os.path.join(tiny_dir, "world.json")):
-        return paths
+    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
+        build_in_own_process("tldr", tiny_dir)
+    return paths
+
+
+def build_tldr_here(tiny_dir: str) -> None:
+    """The TL;DR world's build itself (build_tldr runs it in a child process)."""
     import transformers
-    from transformers import GPTNeoXConfig
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
-    started, report = time.time(), {}
+    progress, report = Progress("the tiny TL;DR world", tiny_dir), {}
     with deterministic(0) as rng:
         splits = {split: [make_example(rng) for _ in range(n)] for split, n in (("train", 4000), ("validation", 512))}
         train, validation = splits["train"], splits["validation"]
@@ -315,6 +360,7 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
         val_prompts = encode(tokenizer, [r["query"] for r in validation])
         val_references = encode(tokenizer, [r["reference_response"] for r in validation])
         report["reference_judge_mean"] = sum(judge(r["query"], r["summary"], True) for r in validation) / 512
+        progress("data and tokenizer")
 
         def with_prefix_targets(row: dict, completions: list) -> list:
             return [(c, [judge_tokens(tokenizer, row["query"], c[:j]) for j in range(len(c) + 1)])
@@ -328,10 +374,15 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
                      in zip(candidate_sets(rng, gold_backbone, tokenizer, train[:2000]), train)]
         gold, _ = train_reward_model(config, gold_backbone.state_dict(), gold_sets, steps=250, per_step=16, lr=3e-3,
                                   seed=1, dense=True)
-        report["seconds_to_gold"] = round(time.time() - started, 1)
+        report["seconds_to_gold"] = round(progress.seconds(), 1)
+        progress("gold reward model")
 
-        # 3. The SFT policy: the first seed whose greedy summaries end (EOS) and beat the references 20-40% of the
-        # time under the gold model (at this size the win rate swings between 0.0 and 0.8 with the seed alone)
+        # 3. The SFT policy: the first seed whose greedy summaries end (EOS) and beat the references 17-43% of the
+        # time under the gold model. At this size the win rate swings between 0.1 and 0.85 with the seed alone, and
+        # with the step (one seed: 0.79, 0.59, 0.33, 0.55 at steps 80, 85, 90, 95); most runs land above the range,
+        # about one seed in ten at 90 steps lands in it. So at most SFT_SEEDS seeds train SFT_STEPS steps each (a
+        # few seconds a seed); if none lands, the snapshots taken on the way (SFT_SNAPSHOTS steps, about one in four
+        # lands) are scored in turn, and the closest of everything scored is the last resort. No seed is trained twice.
         with torch.no_grad():
             gold_references = reward_scores(gold, val_prompts, val_references, eos)
 
@@ -348,17 +399,43 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
         def good(quality: tuple) -> bool:
             return SFT_WIN_RATE_RANGE[0] <= quality[0] <= SFT_WIN_RATE_RANGE[1] and quality[2] >= 0.98
 
-        tried = {}
-        for seed in range(12):
-            policy = train_sft(config, tokenizer, train, seed, steps=90)
-            tried[seed] = sft_quality(policy)
-            if good(tried[seed]):
+        def try_sft(seed: int, steps: int, policy) -> bool:
+            tried[seed, steps] = sft_quality(policy)
+            win_rate, _, ends = tried[seed, steps]
+            progress(f"SFT seed {seed} at {steps} steps: gold win rate {win_rate:.2f}, ends {ends:.2f} -> "
+                     f"{'kept' if good(tried[seed, steps]) else 'rejected'}")
+            return good(tried[seed, steps])
+
+        def keep_snapshots(seed: int):
+            def after_step(step: int, policy) -> None:
+                if step in SFT_SNAPSHOTS:
+                    snapshots[seed, step] = {k: v.clone() for k, v in policy.state_dict().items()}
+            return after_step
+
+        def from_snapshot(key: tuple):
+            policy = GPTNeoXForCausalLM(config)
+            policy.load_state_dict(snapshots[key])
+            return policy.eval()
+
+        tried, snapshots, last = {}, {}, {}
+        for seed in range(SFT_SEEDS):
+            policy = train_sft(config, tokenizer, train, seed, steps=SFT_STEPS, after_step=keep_snapshots(seed))
+            last[seed] = policy
+            if try_sft(seed, SFT_STEPS, policy):
+                chosen = seed, SFT_STEPS
                 break
-        else:  # none was good: the closest
-            seed = min(tried, key=lambda s: (tried[s][2] < 0.98, abs(tried[s][0] - sum(SFT_WIN_RATE_RANGE) / 2)))
-            policy = train_sft(config, tokenizer, train, seed, steps=90)
-        report.update(sft_seed=seed, sft_gold_win_rate=tried[seed][0], sft_judge_win_rate=tried[seed][1],
-                      sft_eos_fraction=tried[seed][2], sft_seeds_tried={str(k): v for k, v in tried.items()})
+        else:
+            for chosen in sorted(snapshots, key=lambda k: (k[0], SFT_SNAPSHOTS.index(k[1]))):
+                policy = from_snapshot(chosen)
+                if try_sft(*chosen, policy):
+                    break
+            else:  # nothing landed: the closest of everything scored
+                chosen = min(tried, key=lambda k: (tried[k][2] < 0.98, abs(tried[k][0] - sum(SFT_WIN_RATE_RANGE) / 2)))
+                policy = last[chosen[0]] if chosen[1] == SFT_STEPS else from_snapshot(chosen)
+        snapshots.clear()
+        report.update(sft_seed=chosen[0], sft_steps=chosen[1], sft_gold_win_rate=tried[chosen][0],
+                      sft_judge_win_rate=tried[chosen][1], sft_eos_fraction=tried[chosen][2],
+                      sft_tried={f"seed {seed} at {steps} steps": v for (seed, steps), v in tried.items()})
 
         # 5. The proxy: pairs of candidates from 2,000 other posts, labelled by the gold model (the paper's
         # relabelling), trained from the SFT policy's weights
@@ -374,6 +451,7 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
             config, policy.state_dict(), pairs, steps=600, per_step=64, lr=1e-3, seed=2, dense=False,
             good_enough=lambda model: agreement(score_sets(model, tuning, eos), tuning_gold) >= PROXY_AGREEMENT)
         normalise(proxy, held_out, eos)
+        progress(f"proxy reward model ({report['proxy_steps']} steps)")
 
         # Held-out agreement (pairs of candidates of the same post): gold against the judge, proxy against gold
         with torch.no_grad():
@@ -384,9 +462,11 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
                       proxy_gold_agreement=agreement(proxy_scored, gold_scored),
                       proxy_judge_agreement=agreement(proxy_scored, judged),
                       gold_probes=probe_agreement(gold, tokenizer, validation[:256], val_prompts))
-    report["build_seconds"] = round(time.time() - started, 1)
+    report["build_seconds"] = round(progress.seconds(), 1)
     save_world(tiny_dir, splits, {"sft": policy, "gold": gold, "proxy": proxy}, tokenizer, report)
-    return paths
+    progress(f"built: gold agrees with the judge {report['gold_judge_agreement']:.2f}, proxy with gold "
+             f"{report['proxy_gold_agreement']:.2f}, SFT gold win rate {report['sft_gold_win_rate']:.2f}; "
+             f"saved in {tiny_dir}")
 
 
 def save_world(tiny_dir: str, splits: dict, models: dict, tokenizer, report: dict) -> None:
@@ -514,13 +594,18 @@ def build_gsm8k(tiny_dir: str, sft_steps: int = 600) -> tuple[str, str]:
     4 layers) trained on the worked solutions. Returns the SFT policy's and the dataset's folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
-    if os.path.exists(os.path.join(tiny_dir, "world.json")):
-        return paths
+    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
+        build_in_own_process("gsm8k", tiny_dir, str(sft_steps))
+    return paths
+
+
+def build_gsm8k_here(tiny_dir: str, sft_steps: int) -> None:
+    """The GSM8k miniature's build itself (build_gsm8k runs it in a child process)."""
     import transformers
     from transformers import GPTNeoXConfig
 
     transformers.utils.logging.disable_progress_bar()
-    started = time.time()
+    progress = Progress("the GSM8k miniature", tiny_dir)
     with deterministic(0) as rng:
         test, test_facts = [], set()
         while len(test) < 200:
@@ -540,19 +625,29 @@ def build_gsm8k(tiny_dir: str, sft_steps: int = 600) -> tuple[str, str]:
                                eos_token_id=eos)
         sft_rows = [{"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
                     for r in train]
+        progress("problems and tokenizer")
+
+        def every_100(step: int, _) -> None:
+            if step % 100 == 0 and step < sft_steps:
+                progress(f"SFT policy, step {step} of {sft_steps}")
+
         # (measured: lr 3e-3 at batch 32 memorises the training facts and stays under 10% on the test facts; at lr
         # 1e-3, batch 64, test pass@1 grows with the steps: ~0.1 at 300, ~0.3 at 600, ~0.44 at 900)
-        policy = train_sft(config, tokenizer, sft_rows, seed=0, steps=sft_steps, lr=1e-3, batch_size=64)
+        policy = train_sft(config, tokenizer, sft_rows, seed=0, steps=sft_steps, lr=1e-3, batch_size=64,
+                           after_step=every_100)
+        progress(f"SFT policy, {sft_steps} steps")
         report = {"sft_steps": sft_steps, "sft_test_pass_at_1": math_pass_at_1(policy, tokenizer, test),
                   "sft_train_pass_at_1": math_pass_at_1(policy, tokenizer, train[:200])}
-    report["build_seconds"] = round(time.time() - started, 1)
+    report["build_seconds"] = round(progress.seconds(), 1)
     save_world(tiny_dir, {"train": train, "test": test}, {"sft": policy}, tokenizer, report)
-    return paths
+    progress(f"built: greedy pass@1 {report['sft_test_pass_at_1']:.2f} on the test split; saved in {tiny_dir}")
 
 
 if __name__ == "__main__":  # build (or show) a world: python tiny_world.py [tldr|gsm8k] [folder]
-    import sys
-
+    if sys.argv[1:2] == ["--build"]:  # (build_in_own_process's child)
+        kind, folder, *options = sys.argv[2:]
+        build_tldr_here(folder) if kind == "tldr" else build_gsm8k_here(folder, *map(int, options))
+        sys.exit()
     kind = sys.argv[1] if len(sys.argv) > 1 else "tldr"
     folder = sys.argv[2] if len(sys.argv) > 2 else f"~/.cache/async-rlhf/{'tiny-v3' if kind == 'tldr' else 'gsm8k-v1'}"
     (build_tldr if kind == "tldr" else build_gsm8k)(folder)

@@ -19,9 +19,11 @@ def tiny_dir(tmp_path_factory) -> str:
     return tiny_dir
 
 
-def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 600, env: dict | None = None,
+def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 1800, env: dict | None = None,
                launcher: tuple = ()) -> subprocess.CompletedProcess:
-    """Run one of the repository's scripts as a user would, returning its exit code and output."""
+    """Run one of the repository's scripts as a user would, returning its exit code and output. The default timeout
+    only guards against a hang: the longest run (the GSM8k demo, 3.5 minutes on 2 idle cores) fits it on a machine
+    several times slower."""
     return subprocess.run([*launcher, *([] if launcher else [sys.executable]), os.path.join(REPO, script), *flags],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
 

@@ -55,7 +55,8 @@ def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
 
 def test_off_policy_quick(tiny_dir, tmp_path):
     """Two N values for async_dpo.py: the table and both plots come out, every run logged its final gold win rate,
-    and N mini-batches per round give the staleness they should (0..N-1 in the first round, N..2N-1 after)."""
+    and N mini-batches per round give the staleness they should (0..N-1 in the first round, N..2N-1 after): N
+    mini-batches share one set of generating weights, so staleness climbs within a round."""
     runs = tmp_path / "runs"
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "off_policy.py"))
@@ -68,6 +69,7 @@ def test_off_policy_quick(tiny_dir, tmp_path):
         steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
         assert 0 <= evals[-1]["eval/gold_win_rate"] <= 1
         assert len(steps) == 256 // 32
+        assert [r["staleness"] for r in steps] == ([0] + [1] * 7 if n == 1 else [0, 1, 2, 3, 2, 3, 2, 3])
         for r in steps:
             position = (r["step"] - 1) % n  # the mini-batch's place in its round
             assert r["staleness"] == (position if r["round"] == 0 else n + position), r

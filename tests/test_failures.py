@@ -1,4 +1,7 @@
-"""A dead or crashing generator stops the learner promptly with a clear error; Ctrl-C leaves no process behind."""
+"""A dead or crashing generator stops the learner promptly with a clear error; Ctrl-C leaves no process behind.
+
+The time limits leave room for a machine several times slower than 2 idle cores, where the learner stops about 4 s
+after the generator dies or Ctrl-C, and the first optimizer step comes about 30 s after the start."""
 import os
 import signal
 import subprocess
@@ -8,6 +11,8 @@ import time
 import psutil
 from conftest import REPO, run_script
 
+STOPS_WITHIN = 30  # seconds from a dead generator or Ctrl-C to the learner's exit (about 4 s on 2 idle cores)
+
 
 def start(tiny_dir: str, out: str, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, os.path.join(REPO, "async_dpo.py"), "--model", "tiny", "--tiny_dir",
@@ -15,7 +20,7 @@ def start(tiny_dir: str, out: str, *flags: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def wait_for_training(process: subprocess.Popen, out: str, timeout: float = 180) -> list:
+def wait_for_training(process: subprocess.Popen, out: str, timeout: float = 600) -> list:
     """Wait until the learner has logged an optimizer step; return its process tree."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -31,7 +36,7 @@ def generator_of(children: list) -> psutil.Process:
     return next(c for c in children if "multiprocessing.spawn" in " ".join(c.cmdline()))
 
 
-def assert_all_gone(processes: list, timeout: float = 10) -> None:
+def assert_all_gone(processes: list, timeout: float = 30) -> None:
     _, alive = psutil.wait_procs(processes, timeout=timeout)
     assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
 
@@ -43,7 +48,7 @@ def stop_mid_training(tiny_dir: str, out: str, stop) -> tuple[float, int, str]:
     children = wait_for_training(process, out)
     stop(process, children)
     stopped_at = time.time()
-    _, stderr = process.communicate(timeout=60)
+    _, stderr = process.communicate(timeout=300)
     elapsed = time.time() - stopped_at
     assert_all_gone(children)
     return elapsed, process.returncode, stderr
@@ -54,7 +59,7 @@ def test_killed_generator_stops_the_learner(tiny_dir, tmp_path):
         generator_of(children).kill()
 
     elapsed, code, stderr = stop_mid_training(tiny_dir, str(tmp_path), kill_generator)
-    assert elapsed < 10 and code == 1
+    assert elapsed < STOPS_WITHIN and code == 1
     assert "generator process exited unexpectedly" in stderr
 
 
@@ -72,11 +77,11 @@ def test_crashing_generator_reports_its_error(tiny_dir, tmp_path):
     started = time.time()
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path / "run"),
                         "--sft_model_path", str(tmp_path / "sft"), "--reward_model_path", str(tmp_path / "reward"),
-                        timeout=180)
+                        timeout=600)
     assert result.returncode == 1
     assert "the generator process failed" in result.stderr
     assert "Traceback" in result.stderr.split("the generator process failed")[1]  # the engine's own traceback
-    assert time.time() - started < 120
+    assert time.time() - started < 300  # (15 s on 2 idle cores: start-up, then the engine's failure)
 
 
 def test_ctrl_c_shuts_everything_down(tiny_dir, tmp_path):
@@ -84,5 +89,5 @@ def test_ctrl_c_shuts_everything_down(tiny_dir, tmp_path):
         os.killpg(process.pid, signal.SIGINT)  # what a terminal does: SIGINT to the whole foreground group
 
     elapsed, code, stderr = stop_mid_training(tiny_dir, str(tmp_path), ctrl_c)
-    assert elapsed < 10 and code == 130
+    assert elapsed < STOPS_WITHIN and code == 130
     assert "interrupted" in stderr

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from test_end_to_end import run_tiny
+from test_end_to_end import mean_rises, run_tiny
 from transformers import AutoTokenizer
 
 from gsm8k_async_dpo import correctness, extract_answer, select_pairs
@@ -75,12 +75,15 @@ def test_tiny_gsm8k_demo_learns_with_staleness_one(gsm8k_dir, tmp_path):
     assert all(r["eval/num_prompts"] == 200 and 0 < r["eval/pass_at_1_stderr"] < 0.05 for r in evals)
     # vLLM's log-probs equal the learner's at step 1 (same weights)
     assert abs(steps[0]["logps/generator_gap"]) < 1e-4
-    # The policy gets better at the training problems it samples (measured, README: accuracy of the samples +0.07
-    # over the run). Greedy pass@1 on the unseen test facts does not rise in this miniature (README), so it is only
-    # required to be measured, before and after
-    first_accuracy, last_accuracy = (sum(r["reward/accuracy"] for r in rs) / 10 for rs in (steps[:10], steps[-10:]))
-    assert last_accuracy >= first_accuracy + 0.03
-    assert 0.2 <= evals[0]["eval/pass_at_1"] <= 0.5 and 0 < evals[-1]["eval/pass_at_1"] < 1
+    # The policy gets better at the training problems it samples: the accuracy of its samples over the last 10 steps
+    # beats the first 10 by a standard error of the difference, from the steps' own spread (measured: 0.355 ->
+    # 0.423, 2.6 standard errors). Greedy pass@1 on the unseen test facts does not rise in this miniature (README),
+    # so it is only required to be measured, before and after; at step 0 it is the SFT policy's, which the build
+    # measured with transformers (vLLM's greedy decoding may break a near-tie the other way on a few problems)
+    assert mean_rises([r["reward/accuracy"] for r in steps[:10]], [r["reward/accuracy"] for r in steps[-10:]], 1.0)
+    world = json.load(open(os.path.join(gsm8k_dir, "world.json")))
+    assert evals[0]["eval/pass_at_1"] == pytest.approx(world["sft_test_pass_at_1"], abs=0.03)
+    assert 0 < evals[-1]["eval/pass_at_1"] < 1
     assert "pass@1" in console
 
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 from conftest import run_script
-from test_end_to_end import EVAL_METRICS, SHORT_RUN, run_tiny
+from test_end_to_end import EVAL_METRICS, SHORT_RUN, assert_win_rate_rises, run_tiny
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from async_ppo import PolicyAndValue, collate, compute_gae, per_token_rewards, ppo_losses, token_logprobs, whiten
@@ -144,10 +144,11 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
     assert first["policy/approx_kl"] < 1e-7 and abs(first["logps/generator_gap"]) < 1e-3
     assert sorted(r["policy/approx_kl"] for r in later)[10] > 1e-5 and max(r["policy/ratio_max"] for r in later) > 1.05
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60] and all(set(EVAL_METRICS) <= set(r) for r in evals)
-    # The policy optimises the proxy; the gold model judges it better. Measured over 3 seeds (README): gold win rate
-    # +0.19 to +0.29, proxy mean score +0.19 to +0.29
-    assert evals[-1]["eval/proxy_reward"] >= evals[0]["eval/proxy_reward"] + 0.1
-    assert evals[-1]["eval/gold_win_rate"] >= evals[0]["eval/gold_win_rate"] + 0.1
+    # The policy optimises the proxy; the gold model judges it better: win rates up by several standard errors (the
+    # run's own; see assert_win_rate_rises), and a higher proxy mean score (how much higher depends on the build)
+    assert_win_rate_rises(evals[0], evals[-1], "proxy")
+    assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"]
+    assert_win_rate_rises(evals[0], evals[-1], "gold")
     assert 0 <= first["value/clipfrac"] <= 1 and steps[-1]["loss/value"] < steps[0]["loss/value"]
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
 

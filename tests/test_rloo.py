@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from test_end_to_end import EVAL_METRICS, SHORT_RUN, run_tiny
+from test_end_to_end import EVAL_METRICS, SHORT_RUN, assert_win_rate_rises, run_tiny
 
 from async_rloo import kl_penalised_rewards, rloo_advantages, rloo_loss
 
@@ -68,9 +68,11 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
     assert first["policy/approx_kl"] < 1e-7
     assert sorted(r["policy/approx_kl"] for r in later)[10] > 1e-5 and max(r["policy/ratio_max"] for r in later) > 1.05
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60] and all(set(EVAL_METRICS) <= set(r) for r in evals)
-    # Measured over 3 seeds (README): gold win rate +0.27 to +0.29, proxy mean score +0.26 to +0.29
-    assert evals[-1]["eval/proxy_reward"] >= evals[0]["eval/proxy_reward"] + 0.1
-    assert evals[-1]["eval/gold_win_rate"] >= evals[0]["eval/gold_win_rate"] + 0.1
+    # The policy optimises the proxy and gold judges it better: win rates up by several standard errors (the run's
+    # own; see assert_win_rate_rises), and a higher proxy mean score (how much higher depends on the build)
+    assert_win_rate_rises(evals[0], evals[-1], "proxy")
+    assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"]
+    assert_win_rate_rises(evals[0], evals[-1], "gold")
     assert steps[-1]["objective/kl"] > steps[0]["objective/kl"]  # the policy moved away from the reference
 
 

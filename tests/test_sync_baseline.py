@@ -1,7 +1,7 @@
 """sync_baseline.py end to end with both generation backends (real vLLM on CPU, and transformers generate)."""
 import pytest
 from conftest import run_script
-from test_end_to_end import EVAL_METRICS, STEP_METRICS, read_metrics
+from test_end_to_end import EVAL_METRICS, STEP_METRICS, assert_win_rate_rises, read_metrics
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
@@ -14,8 +14,11 @@ def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path, backend):
     assert [r["staleness"] for r in steps] == [0] * 20  # generated with the very weights being trained
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
     assert [r["step"] for r in evals] == [0, 10, 20] and all(set(EVAL_METRICS) <= set(r) for r in evals)
-    assert evals[-1]["eval/gold_win_rate"] >= evals[0]["eval/gold_win_rate"] + 0.1
-    assert evals[-1]["eval/proxy_reward"] >= evals[0]["eval/proxy_reward"] + 0.1
+    # 20 steps learn: both win rates rise by several standard errors (the run's own; see assert_win_rate_rises), and
+    # the proxy mean score rises (by how much depends on the build)
+    assert_win_rate_rises(evals[0], evals[-1], "gold")
+    assert_win_rate_rises(evals[0], evals[-1], "proxy")
+    assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"]
     if backend == "vllm":  # the learner really waits for generation: nothing overlaps. (Except where it scores an
         # evaluation, two steps after one is requested, while the generator samples the next batch)
         after_eval = {r["step"] + 2 for r in evals}
