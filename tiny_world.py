@@ -323,11 +323,18 @@ def build_in_own_process(kind: str, tiny_dir: str, *options: str) -> None:
     only before torch starts, hence the child; the threads split the work as before, so the world is the same."""
     import subprocess
 
+    from filelock import FileLock
+
     env = dict(os.environ)
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:  # (a user's own setting wins)
         env["GOMP_SPINCOUNT"] = "1000"
-    code = subprocess.run([sys.executable, os.path.abspath(__file__), "--build", kind, tiny_dir, *options],
-                          env=env).returncode
+    os.makedirs(os.path.dirname(os.path.abspath(tiny_dir)), exist_ok=True)
+    # Two runs (or two test workers) that need the same world at once: one builds, the other waits and reuses it.
+    with FileLock(os.path.abspath(tiny_dir) + ".lock"):
+        if os.path.exists(os.path.join(tiny_dir, "world.json")):
+            return
+        code = subprocess.run([sys.executable, os.path.abspath(__file__), "--build", kind, tiny_dir, *options],
+                              env=env).returncode
     if code != 0:
         raise RuntimeError(f"building the {kind} world in {tiny_dir} failed (exit code {code}; its error is above)")
 

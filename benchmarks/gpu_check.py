@@ -360,6 +360,6 @@ if __name__ == "__main__":
     if device.type == "cuda":
         torch.cuda.empty_cache()
     weight_handoff(args, device)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", os.path.abspath(__file__),
-                    "--collectives_worker"], check=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    os.path.abspath(__file__), "--collectives_worker"], check=True)
     print("gpu_check: all checks passed")

@@ -8,15 +8,35 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
+def shared_folder(tmp_path_factory, name: str) -> str:
+    """A folder for a world that every test worker of this session shares (pytest-xdist gives each worker its own
+    temporary folder under a common one; tiny_world's lock makes the first worker build it and the others wait)."""
+    base = tmp_path_factory.getbasetemp()
+    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "worlds" / name)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Longest test files first: the two test workers (pytest.ini) each take whole files, and starting with the
+    files that build the two worlds builds them side by side and leaves the quick files to fill in at the end."""
+    first = ["test_gsm8k.py", "test_end_to_end.py", "test_benchmarks.py", "test_shutdown.py", "test_ppo.py",
+             "test_rloo.py", "test_soundness.py", "test_failures.py", "test_sync_baseline.py", "test_timeline.py"]
+    rank = {name: i for i, name in enumerate(first)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(first)))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """The tiny CPU configuration's models, tokenizer and dataset, built once per test session (or, for quicker
     local iterations, taken from the folder in ASYNC_RLHF_TEST_TINY_DIR, where it is built if missing)."""
     import tiny_world
 
-    tiny_dir = os.environ.get("ASYNC_RLHF_TEST_TINY_DIR") or str(tmp_path_factory.mktemp("tiny") / "cache" / "assets")
+    tiny_dir = os.environ.get("ASYNC_RLHF_TEST_TINY_DIR") or shared_folder(tmp_path_factory, "tiny")
     tiny_world.build_tldr(tiny_dir)
     return tiny_dir
+
+
+# Two learner processes; --standalone picks a free port, so two such runs (two test workers) never collide.
+TORCHRUN_2 = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
 
 
 def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 1800, env: dict | None = None,
@@ -33,6 +53,6 @@ def gsm8k_dir(tmp_path_factory) -> str:
     """The GSM8k miniature (ASYNC_RLHF_TEST_GSM8K_DIR reuses a built one, as ASYNC_RLHF_TEST_TINY_DIR does)."""
     import tiny_world
 
-    gsm8k_dir = os.environ.get("ASYNC_RLHF_TEST_GSM8K_DIR") or str(tmp_path_factory.mktemp("gsm8k") / "world")
+    gsm8k_dir = os.environ.get("ASYNC_RLHF_TEST_GSM8K_DIR") or shared_folder(tmp_path_factory, "gsm8k")
     tiny_world.build_gsm8k(gsm8k_dir)
     return gsm8k_dir

@@ -5,10 +5,9 @@ import json
 import math
 import os
 import statistics
-import sys
 
 import pytest
-from conftest import run_script
+from conftest import TORCHRUN_2, run_script
 
 STEP_METRICS = ["step", "episode", "staleness", "time/generation", "time/training", "time/weight_sync",
                 "time/learner_wait", "time/step", "reward/mean", "reward/chosen", "reward/rejected", "loss/dpo",
@@ -118,7 +117,7 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
     out = tmp_path / "run"
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN,
                         *(["--fsdp", "--save_model"] if sharding == "fsdp" else []),
-                        launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+                        launcher=TORCHRUN_2)
     assert result.returncode == 0, result.stderr[-3000:]
     steps, evals = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0] + [1] * 5

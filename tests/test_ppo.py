@@ -1,10 +1,9 @@
 """async_ppo.py: the PPO pieces by hand and against independent forms, then end to end with real vLLM on CPU."""
 import os
-import sys
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import TORCHRUN_2, run_script
 from test_end_to_end import EVAL_METRICS, SHORT_RUN, assert_win_rate_rises, run_tiny
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -173,7 +172,7 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
     """Two learner ranks, policy and value model under one DDP or FSDP2 wrapper: same seed, same trajectory as one
     process (advantages are whitened over the whole batch, losses averaged over all ranks' tokens)."""
     steps, evals = run_ppo(tiny_dir, tmp_path / "run", *SHORT_RUN, *(["--fsdp"] if sharding == "fsdp" else []),
-                           launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+                           launcher=TORCHRUN_2)
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert [r["step"] for r in evals] == [0, 3, 6]
     single_steps, single_evals = single_process_run

@@ -1,9 +1,9 @@
 """async_rloo.py: leave-one-out advantages, the clipped sequence-level objective and the KL-penalised reward by
 hand, then end to end with real vLLM on CPU."""
-import sys
 
 import pytest
 import torch
+from conftest import TORCHRUN_2
 from test_end_to_end import EVAL_METRICS, SHORT_RUN, assert_win_rate_rises, run_tiny
 
 from async_rloo import kl_penalised_rewards, rloo_advantages, rloo_loss
@@ -98,7 +98,7 @@ def test_four_samples_per_prompt(four_samples_run):
 def test_torchrun_two_learner_processes(tiny_dir, tmp_path, four_samples_run):
     """Two learner ranks under DDP: same seed, same trajectory as one process."""
     steps, evals = run_rloo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--num_samples", "4",
-                            launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+                            launcher=TORCHRUN_2)
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     single_steps, single_evals = four_samples_run
     for key in ("reward/mean", "loss/policy", "objective/kl", "advantage/std", "policy/ratio_max"):

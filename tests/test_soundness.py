@@ -2,10 +2,9 @@
 float16 training is refused, the final evaluation waits for the one in flight, and an evaluation split that does
 not divide over the learner processes is scored whole."""
 import importlib
-import sys
 
 import pytest
-from conftest import run_script
+from conftest import TORCHRUN_2, run_script
 from test_end_to_end import read_metrics
 from test_shutdown import long_prompts  # noqa: F401 (a fixture)
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -60,7 +59,7 @@ def test_uneven_evaluation_split_is_scored_whole(tiny_dir, tmp_path):
     """129 final prompts over 2 learner processes: 65 and 64, all scored (none dropped to make the shares equal)."""
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), "--total_episodes",
                         "64", "--eval_every", "0", "--num_eval_prompts", "65", "--num_final_eval_prompts", "129",
-                        launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+                        launcher=TORCHRUN_2)
     assert result.returncode == 0, result.stderr[-3000:]
     _, evals = read_metrics(str(tmp_path))
     assert [r["eval/num_prompts"] for r in evals] == [65, 129]
@@ -71,7 +70,7 @@ def test_sync_baseline_under_torchrun(tiny_dir, tmp_path):
     to read it as the first evaluation and fail)."""
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), "--total_episodes",
                         "64", "--num_eval_prompts", "16", script="sync_baseline.py",
-                        launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+                        launcher=TORCHRUN_2)
     assert result.returncode == 0, result.stderr[-3000:]
     steps, evals = read_metrics(str(tmp_path))
     assert [r["staleness"] for r in steps] == [0, 0] and [r["step"] for r in evals] == [0, 2]
