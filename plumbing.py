@@ -1,43 +1,120 @@
-"""Plumbing shared by every script: code that is the same in each and that a reader does not need in order to
-understand asynchronous RLHF. The lesson (Args, the generator loop, the weight hand-off, the schedule, the reward,
-the loss, evaluation and the training loop) stays in each script."""
+"""Plumbing shared by every script: code that is the same in each and that a reader does not need
+in order to understand asynchronous RLHF. The lesson (Args, the generator loop, the weight hand-off,
+the schedule, the reward, the loss, evaluation and the training loop) stays in each script."""
 import contextlib
+import gc
 import json
 import os
 import queue
 import random
 import shutil
+import signal
 import sys
-from dataclasses import asdict
-from typing import NoReturn, Optional
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, NoReturn, Optional
 
 import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Flags, paths and loading, with errors that name the flag or file
-# ---------------------------------------------------------------------------------------------------------------
+# --- Running a script: flags, errors that name the flag or file, a clean exit on every path ------
+def run(main: Callable, args_class, tiny_defaults: dict) -> None:
+    """main(args, cleanup), with what main puts on `cleanup` undone on every path, and a failed
+    generator (exit 1) or Ctrl-C (130) told in one line, not a traceback."""
+    args = parse_args(args_class, tiny_defaults)
+    args.rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    code = 0
+    with contextlib.ExitStack() as cleanup:
+        try:
+            main(args, cleanup)
+        except GeneratorError as error:
+            if args.world_size > 1 and args.rank == 0:
+                share(error, args.rank, args.world_size)  # let the other ranks stop too
+            hint = ("\n(the learner shares GPU 0 with vLLM: lower --vllm_gpu_memory_utilization)"
+                    if learner_gpu(int(os.environ.get("LOCAL_RANK", 0))) == 0 else "")
+            if args.rank == 0 and not args.verbose:
+                hint += f"\nvLLM's log: {args.output_dir}/generator.log"
+            tqdm.write(f"error: {error}{hint}", file=sys.stderr)
+            code = 1
+        except KeyboardInterrupt:
+            tqdm.write("interrupted: shutting down the generator", file=sys.stderr)
+            code = 130
+    if dist.is_initialized():  # once DDP/FSDP state is freed (else gloo may abort the exit)
+        gc.collect()
+        dist.destroy_process_group()
+    if code:
+        raise SystemExit(code)
+
+
 def parse_args(args_class, tiny_defaults: dict):
-    """tyro's parse of the script's Args. `--model tiny` needs its own defaults (small batches, short responses),
-    which flags still override; tyro cannot see the preset before parsing, so peek at it."""
+    """tyro's parse of Args; `--model tiny` has its own defaults (flags override them)."""
     argv = sys.argv[1:]
-    tiny = "--model=tiny" in argv or any(a == "--model" and argv[i + 1: i + 2] == ["tiny"] for i, a in enumerate(argv))
+    tiny = "--model=tiny" in argv or any(a == "--model" and argv[i + 1: i + 2] == ["tiny"]
+                                         for i, a in enumerate(argv))
     return tyro.cli(args_class, default=args_class(model="tiny", **tiny_defaults) if tiny else args_class())
 
 
 def fail(message: str) -> NoReturn:
-    """Stop early with a one-line error naming the bad flag or file."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
+def batch_sizes(args, world_size: int, positive: tuple = ("temperature", "eval_temperature")) -> None:
+    """Reject flags that make no sense or do not divide; fill in Args' runtime fields."""
+    for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size", "num_epochs",
+                 "per_device_train_batch_size", "num_mini_batches", "num_eval_prompts",
+                 "eval_response_length", "generator_cores", *positive):
+        if getattr(args, name) <= 0:
+            fail(f"--{name} must be positive, got {getattr(args, name)}")
+    local_batch_size, prompts_per_round = args.batch_size // world_size, args.batch_size * args.num_mini_batches
+    for bad, message in [
+        (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast without a "
+         "gradient scaler, and small gradients would underflow to 0 silently; use bfloat16 (or float32)"),
+        (args.eval_every < 0, f"--eval_every must be 0 (off) or positive, got {args.eval_every}"),
+        (not 0 < args.vllm_gpu_memory_utilization <= 1, "--vllm_gpu_memory_utilization must be in (0, 1]"),
+        (min(args.num_eval_prompts, args.num_final_eval_prompts or world_size) < world_size,
+         "--num_eval_prompts and --num_final_eval_prompts must give every learner process a prompt"),
+        (args.fsdp and world_size == 1, "--fsdp shards over several learner processes: launch with torchrun"),
+        (args.batch_size % world_size, f"--batch_size {args.batch_size} must divide over {world_size} processes"),
+        (local_batch_size % args.per_device_train_batch_size, f"--per_device_train_batch_size "
+         f"{args.per_device_train_batch_size} must divide the per-process batch ({local_batch_size} prompts)"),
+        (args.total_episodes < prompts_per_round, f"--total_episodes {args.total_episodes} is smaller than one "
+         f"generation round (--batch_size x --num_mini_batches = {prompts_per_round})"),
+    ]:
+        if bad:
+            fail(message)
+    args.world_size, args.local_batch_size = world_size, local_batch_size
+    args.gradient_accumulation_steps = local_batch_size // args.per_device_train_batch_size
+    args.num_rounds = args.total_episodes // prompts_per_round
+    args.num_steps = args.num_rounds * args.num_mini_batches * args.num_epochs
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.model != "tiny"
+
+
+# --- Models and data, loaded with checks ---------------------------------------------------------
+def resolve_tldr(args, presets: dict, build_tiny: Callable):
+    """Fill in and check the preset's models and data (`tiny`: the local world, with a gold reward
+    model); return the train and validation prompts."""
+    if args.model == "tiny" and None in (args.sft_model_path, args.reward_model_path, args.dataset):
+        sft, reward, data, gold = build_tiny(args.tiny_dir)
+    else:
+        sft, reward, data, gold = *presets.get(args.model, (None, None, None)), None
+    args.sft_model_path, args.reward_model_path = args.sft_model_path or sft, args.reward_model_path or reward
+    args.dataset, args.gold_reward_model_path = args.dataset or data, args.gold_reward_model_path or gold
+    for flag in ("sft_model_path", "reward_model_path", "gold_reward_model_path"):
+        if getattr(args, flag):
+            check_model_path(flag, getattr(args, flag))
+    return load_prompt_splits(args.dataset, args.seed)
+
+
 def check_model_path(flag: str, path: str) -> None:
-    """Fail early, naming the flag, when a model is neither a local folder nor loadable from the hub."""
     if path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
         fail(f"--{flag} {path}: no such folder")
     try:
@@ -48,9 +125,9 @@ def check_model_path(flag: str, path: str) -> None:
 
 
 def load_prompt_splits(dataset: str, seed: int):
-    """Load train and validation splits from a hub name, a local folder of split files, or a single local file
-    (then 5% is held out for evaluation). Rejects data without the `query`/`reference_response` columns."""
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(os.path.splitext(dataset)[1])
+    """Train and validation splits from a hub name, a folder or one file (5% held out)."""
+    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
+        os.path.splitext(dataset)[1])
     if os.path.isfile(dataset) and kind is None:
         fail(f"--dataset {dataset}: unsupported file type (use .jsonl, .json, .parquet or .csv)")
     if not os.path.exists(dataset) and ("/" not in dataset or dataset.startswith((".", "/", "~"))):
@@ -73,10 +150,24 @@ def load_prompt_splits(dataset: str, seed: int):
     return splits["train"], splits["validation"]
 
 
-def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A frozen 1-label sequence classifier. transformers would silently give a checkpoint without a trained head
-    (an SFT model, say) a random one, and we would train against noise: refuse it instead. The score head runs in
-    float32: in bfloat16, close scores round to the same value and their pairs are dropped as ties."""
+def load_tokenizer(path: str) -> tuple:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        fail(f"--sft_model_path {path}: the tokenizer has no EOS token")
+    eos_id = tokenizer.eos_token_id
+    return tokenizer, eos_id, eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+def load_reward_models(args, dtype: torch.dtype, device: torch.device) -> dict:
+    models = {"proxy": load_reward_model("reward_model_path", args.reward_model_path, dtype, device)}
+    if args.gold_reward_model_path:
+        models["gold"] = load_reward_model("gold_reward_model_path", args.gold_reward_model_path, dtype, device)
+    return models
+
+
+def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.device):
+    """A frozen 1-label classifier with a trained head (transformers would give an SFT checkpoint a
+    random one), the head in float32 (in bfloat16, close scores tie)."""
     model, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, num_labels=1,
                                                                       output_loading_info=True)
     if info["missing_keys"] or not hasattr(model, "score"):
@@ -87,8 +178,7 @@ def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.de
 
 
 def prepare_policy(policy: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Training mode with dropout off (the log-prob ratios of RLHF should not carry dropout noise), and optionally
-    activation checkpointing, which transformers applies in training mode only (`GradientCheckpointingLayer`)."""
+    """Training mode (for checkpointing) with dropout off: log-prob ratios carry no dropout noise."""
     for module in policy.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -97,17 +187,53 @@ def prepare_policy(policy: torch.nn.Module, gradient_checkpointing: bool) -> tor
     return policy.train()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Learner processes (torchrun): rank 0 talks to the generator and shares what it hears
-# ---------------------------------------------------------------------------------------------------------------
-def learner_device(local_rank: int, world_size: int, generator_cores: int) -> tuple[torch.device, Optional[list]]:
-    """vLLM owns GPU 0; learner rank i uses GPU i+1 of its node (or shares GPU 0 when there are too few). On CPU the
-    generator gets its own cores (the last `generator_cores`; 0: none, it is not used), so that generation and
-    training really run side by side, and the learner is pinned to the rest. Returns the learner's device and the
-    generator's cores (None on GPU, or when there are not enough cores to split)."""
+def save_policy(policy: torch.nn.Module, tokenizer, args) -> None:
+    """--save_model: save_pretrained to {output_dir}/model (FSDP2: all ranks gather, rank 0 writes)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full_state = get_model_state_dict(policy, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True)) if args.fsdp else None  # a collective under FSDP2
+    if args.rank == 0:
+        policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
+        tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+        print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
+
+
+# --- Devices, learner processes (torchrun) and the data each one takes --------------------------
+def start_run(args, cleanup: contextlib.ExitStack):
+    """Devices, process group, seeds, output folder, metrics sink: (device, generator cores, file)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    args.run_name = f"{args.model}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    device, generator_cores = learner_device(int(os.environ.get("LOCAL_RANK", 0)), args.world_size,
+                                             args.generator_cores)
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if args.world_size > 1:
+        init_learner_group(device.type == "cuda")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    metrics_file = open_metrics(args, args.rank)
+    cleanup.callback(close_metrics, metrics_file, args.track)
+    if args.rank == 0:
+        print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds of "
+              f"{args.batch_size * args.num_mini_batches} prompts x {args.num_samples} samples; metrics in "
+              f"{args.output_dir}/metrics.jsonl", flush=True)
+    return device, generator_cores, metrics_file
+
+
+def learner_gpu(local_rank: int) -> int:
+    """vLLM owns GPU 0; learner rank i uses GPU i+1 of its node (or shares GPU 0 when too few)."""
+    return local_rank + 1 if torch.cuda.device_count() > int(os.environ.get("LOCAL_WORLD_SIZE", 1)) else local_rank
+
+
+def learner_device(local_rank: int, world_size: int, generator_cores: int) -> tuple:
+    """The learner's device; on CPU the generator gets cores of its own (the last ones)."""
     if torch.cuda.is_available():
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        device = torch.device("cuda", local_rank + 1 if torch.cuda.device_count() > local_world_size else local_rank)
+        device = torch.device("cuda", learner_gpu(local_rank))
         torch.cuda.set_device(device)
         return device, None
     all_cores = sorted(os.sched_getaffinity(0))
@@ -118,20 +244,58 @@ def learner_device(local_rank: int, world_size: int, generator_cores: int) -> tu
     return torch.device("cpu"), generator
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def init_learner_group(use_cuda: bool) -> None:
-    # One group with a backend per device: DDP/FSDP reduce GPU tensors over NCCL, while reduce_sums and
-    # broadcast_object_list work on CPU tensors, which NCCL cannot carry (torch.distributed: "cpu:gloo,cuda:nccl").
+    # A backend per device: DDP/FSDP reduce GPU tensors over NCCL, while reduce_sums and
+    # broadcast_object_list carry CPU tensors, which NCCL cannot ("cpu:gloo,cuda:nccl").
     dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
 
 
+def shard_or_replicate(trained: torch.nn.Module, frozen: list, args, device: torch.device):
+    """What the optimizer trains: `trained` itself, its DDP wrapper, or (--fsdp) `trained` sharded in
+    place by FSDP2 with the frozen models: each transformers model block by block, then each of its
+    top-level pieces on its own (so that a score head can be called directly), then the whole."""
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        inner = [trained] if hasattr(trained, "_no_split_modules") else list(trained.children())
+        models = inner + frozen
+        for model in models:
+            for module in model.modules():
+                if type(module).__name__ in (model._no_split_modules or []):
+                    fully_shard(module)
+            for child in model.children():
+                fully_shard(child)
+            fully_shard(model)
+        if trained not in models:  # a module around them (PPO's policy and value model)
+            fully_shard(trained)
+    elif args.world_size > 1:
+        return torch.nn.parallel.DistributedDataParallel(
+            trained, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    return trained
+
+
+def prompt_rounds(num_prompts: int, args) -> np.ndarray:
+    """[num_rounds, prompts per round] indices of the training prompts: a fresh shuffle per pass."""
+    prompts_per_round = args.batch_size * args.num_mini_batches
+    passes = -(-args.num_rounds * prompts_per_round // num_prompts)
+    order = np.concatenate([np.random.permutation(num_prompts) for _ in range(passes)])
+    return order[: args.num_rounds * prompts_per_round].reshape(args.num_rounds, prompts_per_round)
+
+
+def my_share(args) -> np.ndarray:
+    """This rank's positions in a round of [num_mini_batches, world_size, local] prompts: [:, rank]."""
+    positions = np.arange(args.batch_size * args.num_mini_batches)
+    return positions.reshape(args.num_mini_batches, args.world_size, -1)[:, args.rank].ravel()
+
+
+def split(batch: dict, parts: int) -> list[dict]:
+    """`parts` equal consecutive slices of every list and tensor in `batch` (mini-, micro-batches)."""
+    size = len(next(iter(batch.values()))) // parts
+    return [{key: value[i * size: (i + 1) * size] for key, value in batch.items()} for i in range(parts)]
+
+
 def share(obj, rank: int, world_size: int):
-    """Rank 0 talks to the generator; the other learner ranks get its messages (and its errors) from here."""
+    """Rank 0 talks to the generator; the other ranks get its messages (and errors) from here."""
     if world_size == 1:
         return obj
     box = [obj]
@@ -142,7 +306,6 @@ def share(obj, rank: int, world_size: int):
 
 
 def reduce_sums(sums: dict, world_size: int) -> dict:
-    """Sum scalar statistics over learner ranks (each rank holds an equal shard of the batch)."""
     if world_size == 1:
         return sums
     values = torch.tensor(list(sums.values()), dtype=torch.float64)
@@ -158,19 +321,16 @@ def reduce_max(value: float, world_size: int) -> float:
     return values.item()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Metrics: metrics.jsonl (and wandb with --track)
-# ---------------------------------------------------------------------------------------------------------------
+# --- Metrics: metrics.jsonl (and wandb with --track) ---------------------------------------------
 def open_metrics(args, rank: int):
-    """Rank 0's metrics.jsonl (appended to), and a wandb run with --track. Other ranks log nothing (None)."""
     if rank != 0:
         return None
     os.makedirs(args.output_dir, exist_ok=True)
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name, config=asdict(args),
-                   dir=args.output_dir, save_code=True)
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
+                   config=asdict(args), dir=args.output_dir, save_code=True)
         wandb.define_metric("step")
         wandb.define_metric("*", step_metric="step")
     return open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
@@ -185,23 +345,7 @@ def close_metrics(metrics_file, track: bool) -> None:
             wandb.finish()
 
 
-def episodes_at(step: int, args) -> int:
-    """Training prompts consumed after `step` optimizer steps. A round's N mini-batches are consumed by its first
-    epoch; further epoches (--num_epochs) revisit them without consuming new prompts."""
-    steps_per_round = args.num_mini_batches * args.num_epochs
-    rounds, step_in_round = divmod(step, steps_per_round)
-    return (rounds * args.num_mini_batches + min(step_in_round, args.num_mini_batches)) * args.batch_size
-
-
-def timeline(origin: float, **phases: tuple[float, float]) -> dict:
-    """`timeline/{phase}_start` and `_end` in seconds since `origin` (when training began): benchmarks/timeline.py
-    draws them."""
-    return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
-            for edge, t in zip(("start", "end"), span)}
-
-
 def log(record: dict, metrics_file, track: bool) -> None:
-    """One line of metrics.jsonl (and a wandb step with --track). Only rank 0 has a metrics file."""
     if metrics_file is None:
         return
     metrics_file.write(json.dumps(record) + "\n")
@@ -213,50 +357,144 @@ def log(record: dict, metrics_file, track: bool) -> None:
                    if k == "eval/samples" else v for k, v in record.items()})
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Talking to the generator process without ever hanging on it
-# ---------------------------------------------------------------------------------------------------------------
+def episodes_at(step: int, args) -> int:
+    """Training prompts consumed after `step` steps (epochs after the first revisit a round)."""
+    rounds, step_in_round = divmod(step, args.num_mini_batches * args.num_epochs)
+    return (rounds * args.num_mini_batches + min(step_in_round, args.num_mini_batches)) * args.batch_size
+
+
+def timeline(origin: float, **phases: tuple[float, float]) -> dict:
+    """`timeline/{phase}_start` and `_end`, seconds since training began (benchmarks/timeline.py)."""
+    return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
+            for edge, t in zip(("start", "end"), span)}
+
+
+def round_times(origin: float, round_start: float, eval_seconds: float, **phases: tuple) -> dict:
+    """A round's `time/` and `timeline/` phases (the wait leaves out evaluations scored meanwhile)."""
+    record = {f"time/{phase}": end - start for phase, (start, end) in phases.items()}
+    record.update(timeline(origin, **phases))
+    record["time/learner_wait"] -= eval_seconds
+    record["time/step"] = time.time() - round_start
+    return record
+
+
+def print_evaluation(record: dict, reward_names) -> None:
+    tqdm.write(f"eval @ step {record['step']} ({record['eval/num_prompts']} prompts): " + ", ".join(
+        f"{name} win rate {record[f'eval/{name}_win_rate']:.3f} ± {record[f'eval/{name}_win_rate_stderr']:.3f}"
+        for name in reward_names) + f", perplexity {record['eval/perplexity']:.3f} "
+        f"(paper's: {record['eval/perplexity_paper']:.3f})")
+    for sample in record["eval/samples"]:
+        tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
+
+
+# --- The generator process: talking to it without ever hanging on it, and stopping it ------------
 class GeneratorError(RuntimeError):
     pass
 
 
-def check_generator(generator) -> None:
-    if not generator.is_alive():
-        raise GeneratorError(f"the generator process exited unexpectedly (exit code {generator.exitcode})")
+@dataclass
+class Generator:
+    """The generator process and the one-slot queues to and from it (rank 0; other ranks: None)."""
+    process: object
+    requests: object
+    results: object
+    tmp_dir: str
 
 
-def send(requests, request: dict, generator) -> None:
+def submit(generator, request: dict) -> None:
+    if isinstance(generator, list):  # in this process (hf_generate): an evaluation now, with the
+        generator.append(generator[0](request) if request["kind"] == "eval" else request)  # weights it names
+    elif generator is not None:
+        send(generator.requests, request, generator.process)
+
+
+def collect(generator, args) -> dict:
+    """The generator's next message, on every rank (rank 0 receives it, then shares it)."""
+    if isinstance(generator, list):  # in this process: a training batch is sampled when collected
+        return generator.pop(1) if "responses" in generator[1] else generator[0](generator.pop(1))
+    message = receive(generator.results, generator.process) if args.rank == 0 else None
+    return share(message, args.rank, args.world_size)
+
+
+@torch.no_grad()
+def hf_generate(policy, my_prompts, args, pad_id: int, eos_id: int, autocast, request: dict) -> dict:
+    """sync_baseline.py --generation_backend hf: the generator's message for `request`, sampled in
+    this process by transformers' generate at the temperature alone (no top-k/top-p, as the learner's
+    log-probs assume; log-probs: NaN). Each rank samples its own prompts (the others': None)."""
+    prompts, n, start, device = request["prompts"], request["n"], time.time(), policy.device
+    mine = range(args.rank, len(prompts), args.world_size) if request["kind"] == "eval" else my_prompts
+    responses, chunk = [None] * (len(prompts) * n), args.per_device_train_batch_size
+    policy.eval()  # generate with the KV cache: gradient checkpointing (training only) turns it off
+    for part in [mine[c: c + chunk] for c in range(0, len(mine), chunk)]:
+        inputs, _ = collate([prompts[i] for i in part], [[]] * len(part), pad_id, device)
+        with autocast:
+            out = policy.generate(
+                inputs["input_ids"], attention_mask=inputs["attention_mask"], do_sample=True,
+                temperature=request["temperature"], top_k=0, top_p=1.0, num_return_sequences=n,
+                max_new_tokens=request["max_tokens"], eos_token_id=eos_id, pad_token_id=pad_id)
+        sampled = out[:, inputs["input_ids"].shape[1]:].tolist()  # prompt-major, as vLLM's
+        for j, i in enumerate(part):
+            responses[i * n: (i + 1) * n] = sampled[j * n: (j + 1) * n]
+    policy.train()
+    return dict({k: v for k, v in request.items() if k != "prompts"}, responses=responses,
+                logprobs=[float("nan")] * len(responses), generation_version=request["weights_version"],
+                weight_load_start=start, generation_start=start, generation_end=time.time())
+
+
+def send(requests, request: dict, process) -> None:
     """Put on the one-slot request queue, without hanging if the generator has died."""
     while True:
         try:
             return requests.put(request, timeout=0.5)
         except queue.Full:
-            check_generator(generator)
+            if not process.is_alive():
+                raise GeneratorError(f"the generator process exited unexpectedly (exit code {process.exitcode})")
 
 
-def receive(results, generator) -> dict:
-    """Take from the one-slot result queue, without hanging if the generator has died; re-raise its error."""
+def receive(results, process) -> dict:
+    """Take from the result queue, without hanging on a dead generator; re-raise its error."""
     while True:
         try:
             message = results.get(timeout=0.5)
         except queue.Empty:
-            if generator.is_alive():
+            if process.is_alive():
                 continue
             try:  # it may have reported its error just before exiting
                 message = results.get(timeout=1.0)
             except queue.Empty:
-                check_generator(generator)
-                continue
+                raise GeneratorError(f"the generator process exited unexpectedly (exit code "
+                                     f"{process.exitcode})") from None
         if message["kind"] == "error":
             raise GeneratorError("the generator process failed:\n" + message["traceback"])
         return message
 
 
+def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
+    """The generator process: Ctrl-C goes to the learner, death with the learner (PDEATHSIG), vLLM's
+    log to a file, no torchrun variables (they describe the learners), temporary files where the
+    learner removes them, and on CPU its own cores (before vLLM, which ignores later changes)."""
+    import ctypes
+    import tempfile
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    if log_path:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        for stream in (1, 2):
+            os.dup2(log_fd, stream)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(var, None)
+    os.environ["TMPDIR"] = tempfile.tempdir = run_tmp_dir
+    if cores:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+
+
 def quiet_resource_tracker(log_path: Optional[str]) -> None:
-    """Start multiprocessing's resource tracker (a helper process that the spawned generator shares) with its
-    stderr in the generator's log. vLLM's engine creates a multiprocessing Lock; when the generator is killed or
-    stopped, the tracker unlinks it at exit and warns of a "leaked semaphore": the generator's business, which a
-    user would read on the console as a second failure. Call it before any queue or lock is created."""
+    """Start multiprocessing's resource tracker with its stderr in the generator's log: it warns of
+    vLLM's "leaked semaphore" when the generator is killed, which would read as a second failure."""
     if log_path is None:  # --verbose: vLLM's log is on the console, and so is this
         return
     from multiprocessing import resource_tracker
@@ -271,31 +509,50 @@ def quiet_resource_tracker(log_path: Optional[str]) -> None:
         os.close(log_fd)
 
 
-def stop_generator(generator, requests, results, run_tmp_dir: str) -> None:
-    """Stop the generator (politely, then less so) and let this process exit whatever is still queued.
-    A multiprocessing queue writes each item to its pipe from a feeder thread, which blocks while the pipe is full
-    (64 KiB) and is joined when the process exits: a large evaluation request that the dead generator never read
-    would hang the learner forever. `cancel_join_thread()` (the multiprocessing docs' way to exit "without waiting
-    to flush enqueued data") drops it instead; nobody is left to read it."""
+def stop_generator(generator: Generator) -> None:
+    """Stop the generator, and exit whatever is queued: a queue's feeder thread blocks while the pipe
+    is full (64 KiB) and is joined at exit; `cancel_join_thread()` (the documented way to exit
+    "without waiting to flush enqueued data") drops a request nobody will read."""
+    process = generator.process
     with contextlib.suppress(queue.Full, ValueError, OSError):
-        requests.put_nowait(None)  # a polite stop, seen if the generator is idle
-    generator.join(timeout=2)
-    for stop in (generator.terminate, generator.kill):
-        if generator.is_alive():
+        generator.requests.put_nowait(None)  # a polite stop, seen if the generator is idle
+    process.join(timeout=2)
+    for stop in (process.terminate, process.kill):
+        if process.is_alive():
             stop()
-            generator.join(timeout=3)
-    for pending in (requests, results):
+            process.join(timeout=3)
+    for pending in (generator.requests, generator.results):
         pending.cancel_join_thread()
         pending.close()
-    shutil.rmtree(run_tmp_dir, ignore_errors=True)
+    shutil.rmtree(generator.tmp_dir, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------------------------------
+# --- Tokens --------------------------------------------------------------------------------------
+def tokenize_prompts(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
+    """Token ids per prompt, after BOS where the tokenizer adds one; long prompts keep their end,
+    where the instruction ('TL;DR:') sits."""
+    bos = bos_prefix(tokenizer)
+    return [bos + ids[max(len(ids) + len(bos) - max_length, 0):]
+            for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
 def bos_prefix(tokenizer) -> list[int]:
-    """[BOS] for a tokenizer that puts one in front of every text (Llama's, rho-1b's: their SFT models were trained
-    with it), else [] (Pythia's). Prompts are tokenised without special tokens, so that no EOS is appended."""
+    """[BOS] if the tokenizer starts texts with one (Llama's, rho-1b's), else [] (Pythia's)."""
     bos = tokenizer.bos_token_id
     with_special, without = tokenizer("x")["input_ids"], tokenizer("x", add_special_tokens=False)["input_ids"]
     return [bos] if bos is not None and with_special[:1] == [bos] and without[:1] != [bos] else []
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device):
+    """Left-pad the prompts and right-pad the responses, each to this micro-batch's own longest, so
+    that every response starts at the same column. Position ids skip the left padding, so they match
+    unpadded sequences. Returns the model inputs and the mask of the response tokens."""
+    prompt_width, response_width = max(map(len, prompts)), max(map(len, responses))
+    ids = [[pad_id] * (prompt_width - len(p)) + p + r + [pad_id] * (response_width - len(r))
+           for p, r in zip(prompts, responses)]
+    mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(r)) + [0] * (response_width - len(r))
+            for p, r in zip(prompts, responses)]
+    input_ids, attention_mask = torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0), use_cache=False)
+    return inputs, attention_mask[:, prompt_width:]

@@ -138,6 +138,24 @@ def print_estimate_table(args: Args) -> None:
           "block's recomputation beyond the working set above")
 
 
+def dpo_args(per_device_train_batch_size: int):
+    """async_dpo.py's Args for one step of one micro-batch on one learner process."""
+    run_args = async_dpo.Args(per_device_train_batch_size=per_device_train_batch_size)
+    async_dpo.compute_batch_sizes(run_args, world_size=1)
+    run_args.batch_size = run_args.local_batch_size = per_device_train_batch_size
+    run_args.gradient_accumulation_steps = 1
+    return run_args
+
+
+def dpo_mini_batch(prompts: list, chosen: list, rejected: list, valid: torch.Tensor, ref_logps: torch.Tensor) -> dict:
+    """One mini-batch as async_dpo.py's make_pairs builds it (scores and generator log-probs only feed its logs)."""
+    M = len(prompts)
+    return dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=valid, scores=torch.zeros(M, 2),
+                eos=torch.full((M,), 2.0), generator_chosen_logps=torch.zeros(M),
+                generator_rejected_logps=torch.zeros(M),
+                ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
+
+
 def learner_step(args: Args, device: torch.device) -> None:
     """(a) One learner step through the script's own functions, timing it and measuring peak memory."""
     from transformers import AutoModelForCausalLM, GPTNeoXForSequenceClassification
@@ -154,7 +172,7 @@ def learner_step(args: Args, device: torch.device) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
-    run_args = async_dpo.Args(per_device_train_batch_size=args.per_device_train_batch_size)
+    run_args = dpo_args(args.per_device_train_batch_size)
     M, vocab = args.per_device_train_batch_size, config.vocab_size
     prompts = torch.randint(1, vocab, (M, args.prompt_length)).tolist()
     chosen, rejected = (torch.randint(1, vocab, (M, args.response_length)).tolist() for _ in range(2))
@@ -164,17 +182,16 @@ def learner_step(args: Args, device: torch.device) -> None:
         start = time.time()
         scores = async_dpo.score_in_chunks(reward_model, prompts * 2, chosen + rejected, [True] * 2 * M, -1.0, 2 * M,
                                            0, device)
-        ref_logps, _ = async_dpo.logprobs_in_chunks(ref_policy, prompts * 2, chosen + rejected, 0.7, 2 * M, 0, device,
-                                                    autocast)
-        micro = dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=(scores[:M] != scores[M:]).float(),
-                     ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
-        losses, _, _ = async_dpo.dpo_update(policy, optimizer, scheduler, [micro], float(M), run_args, 0, device,
-                                            autocast)
+        ref_logps = async_dpo.logprobs_in_chunks(ref_policy, prompts * 2, chosen + rejected, 0.7, 2 * M, 0, device,
+                                                 autocast).sum(1)
+        mini_batch = dpo_mini_batch(prompts, chosen, rejected, (scores[:M] != scores[M:]).float(), ref_logps)
+        stats = async_dpo.dpo_update(policy, optimizer, scheduler, mini_batch, run_args, 0, device, autocast)
+        loss = stats["loss/dpo"]
         sync_start = time.time()
         async_dpo.write_weight_snapshot(policy, buffer, table)
         print(f"(a) step {step}: learner step {sync_start - start:.2f} s, weight snapshot "
-              f"{time.time() - sync_start:.3f} s, DPO loss {losses.mean():.4f}", flush=True)
-    assert math.isfinite(losses.mean().item()), "the DPO loss is not finite"
+              f"{time.time() - sync_start:.3f} s, DPO loss {loss:.4f}", flush=True)
+    assert math.isfinite(loss), "the DPO loss is not finite"
     estimate = memory_estimate(args.model, M, args.prompt_length + args.response_length, args.response_length)
     expected = sum(v for k, v in estimate.items() if k not in ("parameters (B)", "generator's CUDA context"))
     if device.type == "cuda":
@@ -214,21 +231,21 @@ def precision_parity(args: Args, device: torch.device) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the step must not move the weights
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
-    ref_logps, _ = async_dpo.logprobs_in_chunks(reference, prompts * 2, responses, temperature, 2 * M, 0, device,
-                                                autocast)
-    bf16_logps, _ = async_dpo.logprobs_in_chunks(old_regime, prompts * 2, responses, temperature, 2 * M, 0, device,
-                                                 no_autocast)
-    micro = dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=torch.ones(M),
-                 ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
-    losses, chosen_logps, rejected_logps = async_dpo.dpo_update(policy, *optimizer_for(policy), [micro], float(M),
-                                                                async_dpo.Args(), 0, device, autocast)
-    policy_logps = torch.cat([chosen_logps, rejected_logps])
+    def sequence_logps(model, regime) -> torch.Tensor:
+        logprobs = async_dpo.logprobs_in_chunks(model, prompts * 2, responses, temperature, 2 * M, 0, device, regime)
+        return logprobs.sum(1)
+
+    ref_logps, bf16_logps = sequence_logps(reference, autocast), sequence_logps(old_regime, no_autocast)
+    policy_logps = sequence_logps(policy, autocast)  # as the update computes them (same autocast)
+    mini_batch = dpo_mini_batch(prompts, chosen, rejected, torch.ones(M), ref_logps)
+    stats = async_dpo.dpo_update(policy, *optimizer_for(policy), mini_batch, dpo_args(M), 0, device, autocast)
+    loss = stats["loss/dpo"]
     offset, old_offset = (policy_logps - ref_logps).abs(), (policy_logps - bf16_logps).abs()
-    print(f"(d) DPO step 0: loss {losses.mean():.6f} (ln 2 = {math.log(2):.6f}); |log pi - log pi_ref| per sequence "
+    print(f"(d) DPO step 0: loss {loss:.6f} (ln 2 = {math.log(2):.6f}); |log pi - log pi_ref| per sequence "
           f"mean {offset.mean():.2e}, max {offset.max():.2e} (a reference loaded in {dtype}: mean "
           f"{old_offset.mean():.2e}, max {old_offset.max():.2e})", flush=True)
     tolerance = 1e-4 if device.type == "cpu" else 1e-2
-    assert abs(losses.mean().item() - math.log(2)) < tolerance, "DPO's first loss is not ln 2 at equal weights"
+    assert abs(loss - math.log(2)) < tolerance, "DPO's first loss is not ln 2 at equal weights"
 
     # PPO: per-token ratios at step 0, pi_old from the learner's rollout pass or from the bfloat16 sampler
     value_model = GPTNeoXForSequenceClassification(config).to(device)
@@ -238,29 +255,40 @@ def precision_parity(args: Args, device: torch.device) -> None:
                                                            device, autocast)
     sampler_logprobs = async_ppo.logprobs_in_chunks(old_regime, ppo_prompts, ppo_responses, temperature, M, 0,
                                                     device, no_autocast)
-    ppo_args, rloo_args = async_ppo.Args(), async_rloo.Args()
+    n, width = len(ppo_prompts), args.response_length
+    logged_only = dict(kl=torch.zeros(n), scores=torch.zeros(n), eos=torch.zeros(n))  # (they feed the logs only)
     for name, old_logprobs in (("recomputed", learner_logprobs), ("sampler's", sampler_logprobs)):
-        episodes = dict(prompts=ppo_prompts, responses=ppo_responses, old_logprobs=old_logprobs,
-                        advantages=torch.randn_like(values), values=values, returns=values)
-        sums, ratio_max = async_ppo.ppo_update(model, *optimizer_for(model), [episodes], float(old_logprobs.numel()),
-                                               ppo_args, 0, device, autocast)
-        tokens = old_logprobs.numel()
-        print(f"(d) PPO step 0, pi_old {name}: ratio mean {sums['policy/ratio_mean'] / tokens:.6f}, max "
-              f"{ratio_max:.4f}, clip fraction {sums['policy/clipfrac'] / tokens:.4f}", flush=True)
+        mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logprobs=old_logprobs,
+                          advantages=torch.randn_like(values), values=values, returns=values,
+                          response_mask=torch.ones(n, width), generator_gap=torch.zeros(n),
+                          explained_variance=[0.0] * n, **logged_only)
+        stats = async_ppo.ppo_update(model, *optimizer_for(model), mini_batch, one_step_args(async_ppo, n), 0,
+                                     device, autocast)
+        print(f"(d) PPO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "
+              f"{stats['policy/ratio_max']:.4f}, clip fraction {stats['policy/clipfrac']:.4f}", flush=True)
         if name == "recomputed":
-            assert abs(sums["policy/ratio_mean"] / tokens - 1) < tolerance, "PPO's first ratio is not 1"
+            assert abs(stats["policy/ratio_mean"] - 1) < tolerance, "PPO's first ratio is not 1"
     # RLOO: sequence-level ratios (a sum over the response's tokens, so per-token differences add up)
-    learner_seq, _ = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M, 0, device,
-                                                  autocast)
+    learner_seq = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M, 0, device,
+                                               autocast).sum(1)
     for name, old_logps in (("recomputed", learner_seq), ("sampler's", bf16_logps)):
-        episodes = dict(prompts=ppo_prompts, responses=ppo_responses, old_logps=old_logps,
-                        advantages=torch.randn(len(old_logps)))
-        _, _, ratio, clipped = async_rloo.rloo_update(policy, *optimizer_for(policy), [episodes],
-                                                      float(len(old_logps)), rloo_args, 0, device, autocast)
-        print(f"(d) RLOO step 0, pi_old {name}: ratio mean {ratio.mean():.6f}, min {ratio.min():.4f}, max "
-              f"{ratio.max():.4f}, clip fraction {clipped.mean():.4f}", flush=True)
+        mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logps=old_logps,
+                          advantages=torch.randn(n), generator_logps=old_logps, rewards=torch.zeros(n),
+                          advantage_std=[1.0] * n, **logged_only)
+        stats = async_rloo.rloo_update(policy, *optimizer_for(policy), mini_batch, one_step_args(async_rloo, n), 0,
+                                       device, autocast)
+        print(f"(d) RLOO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "
+              f"{stats['policy/ratio_max']:.4f}, clip fraction {stats['policy/clipfrac']:.4f}", flush=True)
         if name == "recomputed":
-            assert (ratio - 1).abs().max() < tolerance * 10, "RLOO's first ratio is not 1"
+            assert max(abs(stats["policy/ratio_mean"] - 1), stats["policy/ratio_max"] - 1) < tolerance * 10, \
+                "RLOO's first ratio is not 1"
+
+
+def one_step_args(script, rows: int):
+    """A script's Args for one optimizer step of one micro-batch of `rows` completions on one learner process."""
+    run_args = script.Args(num_samples=1)
+    run_args.world_size, run_args.batch_size, run_args.gradient_accumulation_steps = 1, rows, 1
+    return run_args
 
 
 def reader_main(buffer: torch.Tensor, table: list, versions, replies) -> None:

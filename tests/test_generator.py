@@ -20,7 +20,7 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     buffer = async_dpo.make_weight_buffer(table, torch.float32, torch.device("cpu"))
     # Prompts longer than vLLM's CPU KV block (128 tokens), so that the prefix cache really holds them
     post = " ".join(["my roommate said the rent was late again and my landlord called"] * 12)
-    prompts = async_dpo.tokenize_prompts(
+    prompts = plumbing.tokenize_prompts(
         tokenizer, [f"SUBREDDIT: r/cats\n\nTITLE: my {w}\n\nPOST: {post}\n\nTL;DR:" for w in ("cat", "dog")], 300)
     assert min(len(p) for p in prompts) > 128
 

@@ -7,7 +7,8 @@ from conftest import TORCHRUN_2, run_script
 from test_end_to_end import EVAL_METRICS, SHORT_RUN, assert_win_rate_rises, run_tiny
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from async_ppo import PolicyAndValue, collate, compute_gae, per_token_rewards, ppo_losses, token_logprobs, whiten
+from async_ppo import PolicyAndValue, compute_gae, per_token_rewards, ppo_losses, token_entropy, token_logprobs, whiten
+from plumbing import collate
 
 CPU = torch.device("cpu")
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "loss/value", "policy/clipfrac", "policy/approx_kl",
@@ -108,7 +109,8 @@ def test_values_and_logprobs_are_read_where_each_response_token_is_sampled(tiny_
     inputs, response_mask = collate(prompts, responses, pad_id=0, device=CPU)
     with torch.no_grad():
         logits, values = model(inputs, response_mask.shape[1])
-        logprobs, entropy = token_logprobs(logits, inputs["input_ids"], response_mask, temperature=0.7)
+        logprobs = token_logprobs(logits, inputs["input_ids"], response_mask, temperature=0.7)
+        entropy = token_entropy(logits, response_mask, temperature=0.7)
         for row, (prompt, response) in enumerate(zip(prompts, responses)):
             ids = torch.tensor([prompt + response])
             full_logprobs = torch.log_softmax(policy(ids).logits[0] / 0.7, -1)

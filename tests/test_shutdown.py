@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import psutil
 import pytest
@@ -16,7 +17,7 @@ from test_failures import assert_all_gone, generator_of
 PENDING_REQUEST = r"""
 import multiprocessing as mp, sys, tempfile, time
 sys.path.insert(0, sys.argv[1])
-from plumbing import send, stop_generator
+from plumbing import Generator, send, stop_generator
 
 def busy_generator(requests) -> None:
     time.sleep(600)
@@ -29,7 +30,7 @@ if __name__ == "__main__":
     send(requests, dict(kind="eval", prompts=[[i % 1000] * 500 for i in range(512)]), generator)  # ~1 MB pickled
     time.sleep(1)
     generator.kill()
-    stop_generator(generator, requests, results, tempfile.mkdtemp())
+    stop_generator(Generator(generator, requests, results, tempfile.mkdtemp()))
     print("stopped", flush=True)
 """
 
@@ -84,16 +85,17 @@ def pending_request(process: subprocess.Popen, out: str) -> list:
     return children
 
 
-def assert_clean_exit(process: subprocess.Popen, stopped_at: float, code: int) -> str:
-    """The learner exits with `code` within a minute of `stopped_at` (seconds here; the margin is for slow machines)
-    and prints no second failure. Returns its stderr."""
+def assert_clean_exit(process: subprocess.Popen, stopped_at: Optional[float], code: int) -> str:
+    """The learner exits with `code` within a minute of `stopped_at` (seconds here; the margin is for slow machines;
+    None: a normal end, timed from its last record by the caller) and prints no second failure. Returns its
+    stderr."""
     try:
         _, stderr = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         raise AssertionError("the learner hung on exit")
     assert process.returncode == code, stderr[-3000:]
-    assert time.time() - stopped_at < 60
+    assert stopped_at is None or time.time() - stopped_at < 60
     assert "resource_tracker" not in stderr and "KeyError" not in stderr, stderr[-3000:]  # no second failure
     return stderr
 
@@ -128,7 +130,7 @@ def test_normal_end_with_evaluations_every_round(tiny_dir, long_prompts, tmp_pat
         time.sleep(0.2)
     children = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
     metrics = tmp_path / "metrics.jsonl"
-    assert_clean_exit(process, time.time(), 0)
+    assert_clean_exit(process, None, 0)
     assert time.time() - os.path.getmtime(metrics) < 60  # from its last record (the final evaluation) to its exit
     records = [json.loads(line) for line in open(metrics)]
     assert [r["step"] for r in records if "eval/proxy_win_rate" in r] == [0, 1, 2, 3, 4]

@@ -9,20 +9,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import plumbing
 from async_dpo import (
     Args,
-    collate,
     compute_batch_sizes,
     dpo_loss,
     eval_record,
     evaluate,
     get_reward,
     make_weight_buffer,
+    response_logits,
     select_pairs,
-    sequence_logprobs,
+    token_logprobs,
     truncate_at_eos,
     weight_table,
     weights_from_buffer,
     write_weight_snapshot,
 )
+from plumbing import collate
 
 EOS, PAD = 0, 0
 CPU = torch.device("cpu")
@@ -66,6 +67,12 @@ def test_select_pairs_takes_best_and_worst_and_masks_ties():
 def _encode(tiny_dir, texts):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(tiny_dir, "sft"))
     return tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def sequence_logprobs(model, inputs: dict, response_mask: torch.Tensor, temperature: float):
+    """What DPO and the perplexities use: the script's per-token log-probs summed, and the response lengths."""
+    logits = response_logits(model, inputs, response_mask.shape[1])
+    return token_logprobs(logits, inputs["input_ids"], response_mask, temperature).sum(1), response_mask.sum(1)
 
 
 def test_sequence_logprobs_are_temperature_scaled_and_ignore_padding(tiny_dir):
