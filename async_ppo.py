@@ -59,6 +59,10 @@ class Args:
     """where metrics.jsonl, the generator's log and the saved model go (default: runs/{run_name})"""
     save_model: bool = False
     """save the final policy and tokenizer with save_pretrained to {output_dir}/model"""
+    save_every: int = 0
+    """checkpoint every this many optimizer steps, at a round's end (0: never; then SIGTERM too)"""
+    resume_from: Optional[str] = None
+    """continue the run in this folder (or its checkpoint folder) where its checkpoint left it"""
     verbose: bool = False
     """show vLLM's own log on the console (by default it goes to {output_dir}/generator.log)"""
 
@@ -164,10 +168,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     shares_gpu0 = use_cuda and device.index == 0  # too few GPUs: learner rank 0 sits beside vLLM
 
-    # The generator (rank 0) starts before the learner loads its models: when both share GPU 0, vLLM
-    # must measure the free memory first. The weight buffer's layout comes from the config alone.
+    # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
-    with torch.device("meta"):
+    with torch.device("meta"):  # the buffer's layout needs the config only, no weights
         weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
     generator = weight_buffer = None  # rank 0 only
     if args.rank == 0:
@@ -206,22 +209,27 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         tokenizer=tokenizer, args=args, device=device, autocast=autocast, metrics_file=metrics_file)
     if not shares_gpu0:
         plumbing.collect(generator, args)  # "ready": vLLM was built while we loaded our models
-    progress = cleanup.enter_context(tqdm(total=args.num_steps, desc=args.exp_name,
+    # What a checkpoint saves (--save_every) and --resume_from loads, with the loop's counters
+    saved = dict(learner=learner, optimizer=optimizer, scheduler=scheduler, weight_buffer=weight_buffer,
+                 metrics_file=metrics_file)
+    loop = plumbing.resume(args, **saved)
+    progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=loop["version"], desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
-    # Evaluate the SFT policy, then start the clock
-    plumbing.submit(generator, eval_request(0, eval_prompts, args))
-    run_evaluation(plumbing.collect(generator, args), training_start=None)
+    if not args.resume_from:  # evaluate the SFT policy, then start the clock
+        plumbing.submit(generator, eval_request(0, eval_prompts, args))
+        run_evaluation(plumbing.collect(generator, args), training_start=None)
     training_start = time.time()
-    version = 0  # optimizer steps taken: the policy's version (0: SFT, where vLLM starts)
-    buffer_version = 0  # the version in the weight buffer, from which the generator loads
-    last_eval = 0  # the version of the last evaluation requested
-    pending_evals = 0  # evaluations requested and not yet scored
-    first_prompts = [train_prompts[i] for i in prompt_rounds[0]]
-    plumbing.submit(generator, train_request(0, version, first_prompts, args))
-    for round_index in range(args.num_rounds):
-        # 1. Receive this round's batch, generated with the previous weights (and score any
-        # evaluation that arrives first)
+    version = loop["version"]  # optimizer steps taken: the policy's version (0: SFT, vLLM's start)
+    buffer_version = loop["buffer_version"]  # the version in the weight buffer (the generator's)
+    last_eval = loop["last_eval"]  # the version of the last evaluation requested
+    first_prompts = [train_prompts[i] for i in prompt_rounds[loop["round"]]]
+    plumbing.submit(generator, train_request(loop["round"], buffer_version, first_prompts, args))
+    for eval_version in loop["pending_evals"]:  # (resumed: evaluations that were queued behind it)
+        plumbing.submit(generator, eval_request(eval_version, eval_prompts, args))
+    pending_evals = len(loop["pending_evals"])  # evaluations requested and not yet scored
+    for round_index in range(loop["round"], args.num_rounds):
+        # 1. Receive this round's batch, sampled with the previous weights (evaluations first)
         round_start = wait_start = time.time()
         eval_seconds = 0.0
         while (batch := plumbing.collect(generator, args))["kind"] == "eval":
@@ -231,9 +239,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         if batch["round"] != round_index:
             raise RuntimeError(f"expected the batch of round {round_index}, got {batch['round']}")
 
-        # 2. ASYNC: publish the newest weights and request the next round, which vLLM generates
-        # while we train on this one. The buffer is free to rewrite: the generator loaded the
-        # previous weights before it produced `batch`.
+        # 2. ASYNC: publish the newest weights and request the next round, which vLLM generates while
+        # we train on this one (the buffer is free: vLLM loaded the last weights before `batch`)
         sync_start = time.time()
         if version != buffer_version:
             write_weight_snapshot(policy, weight_buffer, weight_layout)
@@ -283,6 +290,13 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                 progress.update(1)
                 progress.set_postfix(reward=f"{stats['reward/mean']:.3f}",
                                      kl=f"{stats['objective/kl']:.3f}", staleness=staleness)
+
+        # 7. Checkpoint (--save_every, or SIGTERM) at the round's end (plumbing.save_checkpoint)
+        if round_index + 1 < args.num_rounds and plumbing.checkpoint_due(args, version):
+            loop = dict(round=round_index + 1, version=version, buffer_version=buffer_version,
+                        last_eval=last_eval, pending_evals=pending_evals)
+            score = functools.partial(run_evaluation, training_start=training_start)
+            pending_evals = plumbing.save_checkpoint(args, loop, generator, score, **saved)
 
     # Final evaluation (the whole validation split by default) with the last weights. One requested
     # in the last round may still be loading its weights: score it before the buffer is rewritten.
@@ -486,9 +500,8 @@ def ppo_losses(logprobs, old_logprobs, advantages, values, old_values, returns, 
 
 def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_id: int, device,
                autocast) -> dict:
-    """One optimizer step on one mini-batch, accumulating gradients over its micro-batches. The loss
-    is the mean over all ranks' response tokens (DDP and FSDP average gradients over ranks, hence
-    the world_size factor). Returns the step's statistics, averaged over all ranks."""
+    """One optimizer step on a mini-batch (gradients accumulated over its micro-batches): the mean
+    loss over all ranks' response tokens (DDP/FSDP average over ranks: the world_size factor)."""
     my_tokens = mini_batch["response_mask"].sum().item()
     tokens = plumbing.reduce_sums({"n": my_tokens}, args.world_size)["n"]  # over all ranks
     micro_batches, ratio_max = plumbing.split(mini_batch, args.gradient_accumulation_steps), 0.0
@@ -539,7 +552,7 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
                           "value/explained_variance": mini_batch["explained_variance"][0]})
 
 
-# --- Weight hand-off: a shared buffer, written by the learner, read by the generator ---------------
+# --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
 def weight_table(model: torch.nn.Module) -> list:
     """(name, offset, shape) of every parameter in one flat buffer, in model.parameters() order."""
     table, offset = [], 0
@@ -595,15 +608,18 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
         while (request := requests.get()) is not None:
             load_start = time.time()
             if request["weights_version"] != loaded_version:
-                # In place (vllm/model_executor/model_loader/reload/inplace.py): CUDA graphs stay valid
+                # In place (vllm/model_executor/model_loader/reload/): captured CUDA graphs stay valid
                 weights = weights_from_buffer(weight_buffer, weight_layout)
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-                llm.reset_prefix_cache()  # or cached prompt states from the old weights are reused
                 if torch.cuda.is_available():  # done reading before the learner may rewrite it
                     torch.cuda.synchronize()
                 loaded_version = request["weights_version"]
-            sampling = SamplingParams(n=request["n"], temperature=request["temperature"],
-                                      max_tokens=request["max_tokens"], logprobs=0, detokenize=False)
+            # An empty prefix cache and a seed per prompt: a request depends on its seed and weights
+            llm.reset_prefix_cache()
+            sampling = [SamplingParams(n=request["n"], temperature=request["temperature"],
+                                       max_tokens=request["max_tokens"], logprobs=0, detokenize=False,
+                                       seed=request["seed"] + i * request["n"])
+                        for i in range(len(request["prompts"]))]
             generation_start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]],
                                    sampling, use_tqdm=False)
@@ -631,6 +647,8 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
         token_bytes = 2 * config.num_hidden_layers * config.hidden_size * getattr(torch, args.dtype).itemsize
         sequences = min(args.batch_size * args.num_mini_batches * args.num_samples, 256)
         kwargs["kv_cache_memory_bytes"] = min(max(token_bytes * max_model_len * sequences, 2**25), 2**33)
+        # no chunked prefill: it moves a seeded request's generator back, which a CPU one cannot do
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
     return kwargs
 
 
@@ -650,13 +668,14 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:
     return dict(kind="train", round=round_index, weights_version=version, prompts=prompts,
-                n=args.num_samples, temperature=args.temperature, max_tokens=args.response_length)
+                n=args.num_samples, temperature=args.temperature, max_tokens=args.response_length,
+                seed=plumbing.sampling_seed(args.seed, "train", round_index))
 
 
 def eval_request(version: int, prompts: list, args: Args, final: bool = False) -> dict:
     return dict(kind="eval", final=final, weights_version=version, prompts=prompts, n=1,
                 temperature=args.eval_temperature, max_tokens=args.eval_response_length,
-                requested=time.time())
+                seed=plumbing.sampling_seed(args.seed, "eval", version), requested=time.time())
 
 
 # --- Evaluation: win rates against the reference summaries under the proxy and gold rewards -------
@@ -727,13 +746,7 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
                     args, pad_id, eos_id, device, autocast)
     sums = plumbing.reduce_sums(sums, args.world_size)
     record = eval_record(sums, message["generation_version"], args)
-    record["time/eval"] = time.time() - start
-    record["time/elapsed"] = time.time() - training_start if training_start else 0.0
-    if training_start:
-        record.update(plumbing.timeline(
-            training_start, evaluation=(start, time.time()),
-            eval_queued=(message["requested"], message["weight_load_start"]),
-            eval_generation=(message["generation_start"], message["generation_end"])))
+    record.update(plumbing.eval_times(message, start, training_start))
     if args.rank == 0:
         responses = truncate_at_eos(responses[:3], args.eval_response_length, eos_id)[0]
         record["eval/samples"] = [dict(prompt=tokenizer.decode(p)[-200:], response=tokenizer.decode(r))

@@ -20,7 +20,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-import datasets
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import plumbing
 import tiny_world
 
-PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k")}  # --model: (SFT policy, dataset)
+PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k")}  # --model: (SFT, dataset)
 PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the format the SFT policy was trained on
 # `--model tiny` swaps in defaults that train a locally built toy model on 2 CPU cores in minutes.
 TINY_DEFAULTS = dict(
@@ -56,6 +55,10 @@ class Args:
     """where metrics.jsonl, the generator's log and the saved model go (default: runs/{run_name})"""
     save_model: bool = False
     """save the final policy and tokenizer with save_pretrained to {output_dir}/model"""
+    save_every: int = 0
+    """checkpoint every this many optimizer steps, at a round's end (0: never; then SIGTERM too)"""
+    resume_from: Optional[str] = None
+    """continue the run in this folder (or its checkpoint folder) where its checkpoint left it"""
     verbose: bool = False
     """show vLLM's own log on the console (by default it goes to {output_dir}/generator.log)"""
 
@@ -147,10 +150,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     shares_gpu0 = use_cuda and device.index == 0  # too few GPUs: learner rank 0 sits beside vLLM
 
-    # The generator (rank 0) starts before the learner loads its models: when both share GPU 0, vLLM
-    # must measure the free memory first. The weight buffer's layout comes from the config alone.
+    # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
-    with torch.device("meta"):
+    with torch.device("meta"):  # the buffer's layout needs the config only, no weights
         weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
     generator = weight_buffer = None  # rank 0 only
     if args.rank == 0:
@@ -184,22 +186,28 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         args=args, device=device, autocast=autocast, metrics_file=metrics_file)
     if not shares_gpu0:
         plumbing.collect(generator, args)  # "ready": vLLM was built while we loaded our models
-    progress = cleanup.enter_context(tqdm(total=args.num_steps, desc=args.exp_name,
+    # What a checkpoint saves (--save_every) and --resume_from loads, with the loop's counters
+    saved = dict(learner=learner, optimizer=optimizer, scheduler=scheduler, weight_buffer=weight_buffer,
+                 metrics_file=metrics_file)
+    loop = plumbing.resume(args, **saved)
+    progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=loop["version"], desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
-    # Evaluate the SFT policy, then start the clock
-    plumbing.submit(generator, eval_request(0, eval_prompts, args))
-    run_evaluation(plumbing.collect(generator, args), training_start=None)
+    if not args.resume_from:  # evaluate the SFT policy, then start the clock
+        plumbing.submit(generator, eval_request(0, eval_prompts, args))
+        run_evaluation(plumbing.collect(generator, args), training_start=None)
     training_start = time.time()
-    version = 0  # optimizer steps taken: the policy's version (0: SFT, where vLLM starts)
-    buffer_version = 0  # the version in the weight buffer, from which the generator loads
-    last_eval = 0  # the version of the last evaluation requested
-    pending_evals = 0  # evaluations requested and not yet scored
-    first_prompts = [train_prompts[i] for i in prompt_rounds[0]]
-    plumbing.submit(generator, train_request(0, version, first_prompts, args))
-    for round_index in range(args.num_rounds):
-        # 1. Receive this round's batch, generated with the previous weights (and score any
-        # evaluation that arrives first)
+    version = loop["version"]  # optimizer steps taken: the policy's version (0: SFT, vLLM's start)
+    buffer_version = loop["buffer_version"]  # the version in the weight buffer (the generator's)
+    last_eval = loop["last_eval"]  # the version of the last evaluation requested
+    first_prompts = [train_prompts[i] for i in prompt_rounds[loop["round"]]]
+    if not args.sync or loop["round"] == 0:  # (--sync requests later rounds in step 1)
+        plumbing.submit(generator, train_request(loop["round"], buffer_version, first_prompts, args))
+    for eval_version in loop["pending_evals"]:  # (resumed: evaluations that were queued behind it)
+        plumbing.submit(generator, eval_request(eval_version, eval_prompts, args))
+    pending_evals = len(loop["pending_evals"])  # evaluations requested and not yet scored
+    for round_index in range(loop["round"], args.num_rounds):
+        # 1. Receive this round's batch, sampled with the previous weights (evaluations first)
         round_start = wait_start = time.time()
         eval_seconds = 0.0
         if args.sync and round_index > 0:  # SYNC (--sync): publish the newest weights and request
@@ -215,9 +223,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         if batch["round"] != round_index:
             raise RuntimeError(f"expected the batch of round {round_index}, got {batch['round']}")
 
-        # 2. ASYNC: publish the newest weights and request the next round, which vLLM generates
-        # while we train on this one. The buffer is free to rewrite: the generator loaded the
-        # previous weights before it produced `batch`.
+        # 2. ASYNC: publish the newest weights and request the next round, which vLLM generates while
+        # we train on this one (the buffer is free: vLLM loaded the last weights before `batch`)
         sync_start = time.time()
         if version != buffer_version:
             write_weight_snapshot(policy, weight_buffer, weight_layout)
@@ -267,6 +274,13 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                 progress.set_postfix(accuracy=f"{stats['reward/accuracy']:.3f}",
                                      loss=f"{stats['loss/dpo']:.3f}", staleness=staleness)
 
+        # 7. Checkpoint (--save_every, or SIGTERM) at the round's end (plumbing.save_checkpoint)
+        if round_index + 1 < args.num_rounds and plumbing.checkpoint_due(args, version):
+            loop = dict(round=round_index + 1, version=version, buffer_version=buffer_version,
+                        last_eval=last_eval, pending_evals=pending_evals, batch_in_flight=not args.sync)
+            score = functools.partial(run_evaluation, training_start=training_start)
+            pending_evals = plumbing.save_checkpoint(args, loop, generator, score, **saved)
+
     # Final evaluation (the whole test split by default) with the last weights. One requested in
     # the last round may still be loading its weights: score it before the buffer is rewritten.
     for _ in range(pending_evals):
@@ -280,7 +294,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
 
 def compute_batch_sizes(args: Args, world_size: int) -> None:
-    """Check the flags and fill in Args' runtime fields (plumbing.batch_sizes); a DPO pair needs two."""
+    """Check the flags, fill in Args' runtime fields (plumbing.batch_sizes); a DPO pair needs two."""
     if args.num_samples < 2:
         plumbing.fail(f"--num_samples must be at least 2 (a DPO pair needs two), got {args.num_samples}")
     if args.eval_temperature < 0:
@@ -289,9 +303,8 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
 
 
 def resolve_gsm8k(args: Args):
-    """Fill in the preset's model and data (`tiny`: the locally built miniature; a run that names its
-    own model and data does not need it built), check them, and return the train and test problems:
-    the splits of a hub name (with its configuration) or of a local folder of split files."""
+    """Fill in and check the preset's model and data (`tiny`: the local miniature, built if a run
+    needs it); return the train and test problems."""
     if args.model == "tiny" and None in (args.sft_model_path, args.dataset):
         sft, data = tiny_world.build_gsm8k(args.tiny_dir)
     else:
@@ -300,20 +313,8 @@ def resolve_gsm8k(args: Args):
     args.dataset = dataset  # on the hub, openai/gsm8k's configuration is `main`
     args.dataset_config = args.dataset_config or ("main" if dataset == "openai/gsm8k" else None)
     plumbing.check_model_path("sft_model_path", args.sft_model_path)
-    if not os.path.exists(dataset) and ("/" not in dataset or dataset.startswith((".", "/", "~"))):
-        plumbing.fail(f"--dataset {dataset}: no such folder")
-    try:
-        splits = datasets.load_dataset(dataset, args.dataset_config)
-    except Exception as e:  # offline hub names, unreadable files, a missing configuration
-        plumbing.fail(f"--dataset {dataset}: could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    for split in ("train", "test"):
-        if split not in splits:
-            plumbing.fail(f"--dataset {dataset}: no '{split}' split (found {sorted(splits)})")
-        missing = {"question", "answer"} - set(splits[split].column_names)
-        if missing:
-            plumbing.fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
-                          f"found {splits[split].column_names}")
-    return splits["train"], splits["test"]
+    return plumbing.load_prompt_splits(dataset, args.seed, ("question", "answer"), ("train", "test"),
+                                       args.dataset_config)
 
 
 # --- Tokens, log-probs and rewards ---------------------------------------------------------------
@@ -368,7 +369,7 @@ def extract_answer(text: str) -> Optional[float]:
 
 
 def correctness(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
-    """The verifiable reward: 1 where the completion's final answer equals the reference's (as numbers)."""
+    """The verifiable reward: 1 where the final answer equals the reference's (as numbers), else 0."""
     predicted = [extract_answer(text) for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
     return torch.tensor([float(p is not None and p == extract_answer(a)) for p, a in zip(predicted, answers)])
 
@@ -408,9 +409,8 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 
 def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_id: int, device,
                autocast) -> dict:
-    """One optimizer step on one mini-batch, accumulating gradients over its micro-batches. The loss
-    is the mean over the valid pairs of all ranks (DDP and FSDP average gradients over ranks, hence
-    the world_size factor). Returns the step's statistics, averaged over all ranks."""
+    """One optimizer step on a mini-batch (gradients accumulated over its micro-batches): the mean
+    loss over all ranks' valid pairs (DDP/FSDP average over ranks: the world_size factor)."""
     valid_pairs = plumbing.reduce_sums({"v": mini_batch["valid"].sum().item()}, args.world_size)
     num_valid = max(valid_pairs["v"], 1.0)  # over all ranks
     micro_batches, outputs = plumbing.split(mini_batch, args.gradient_accumulation_steps), []
@@ -454,7 +454,7 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
     return dict(stats, **{"logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))})
 
 
-# --- Weight hand-off: a shared buffer, written by the learner, read by the generator ---------------
+# --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
 def weight_table(model: torch.nn.Module) -> list:
     """(name, offset, shape) of every parameter in one flat buffer, in model.parameters() order."""
     table, offset = [], 0
@@ -510,15 +510,18 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
         while (request := requests.get()) is not None:
             load_start = time.time()
             if request["weights_version"] != loaded_version:
-                # In place (vllm/model_executor/model_loader/reload/inplace.py): CUDA graphs stay valid
+                # In place (vllm/model_executor/model_loader/reload/): captured CUDA graphs stay valid
                 weights = weights_from_buffer(weight_buffer, weight_layout)
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-                llm.reset_prefix_cache()  # or cached prompt states from the old weights are reused
                 if torch.cuda.is_available():  # done reading before the learner may rewrite it
                     torch.cuda.synchronize()
                 loaded_version = request["weights_version"]
-            sampling = SamplingParams(n=request["n"], temperature=request["temperature"],
-                                      max_tokens=request["max_tokens"], logprobs=0, detokenize=False)
+            # An empty prefix cache and a seed per prompt: a request depends on its seed and weights
+            llm.reset_prefix_cache()
+            sampling = [SamplingParams(n=request["n"], temperature=request["temperature"],
+                                       max_tokens=request["max_tokens"], logprobs=0, detokenize=False,
+                                       seed=request["seed"] + i * request["n"])
+                        for i in range(len(request["prompts"]))]
             generation_start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]],
                                    sampling, use_tqdm=False)
@@ -546,6 +549,8 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
         token_bytes = 2 * config.num_hidden_layers * config.hidden_size * getattr(torch, args.dtype).itemsize
         sequences = min(args.batch_size * args.num_mini_batches * args.num_samples, 256)
         kwargs["kv_cache_memory_bytes"] = min(max(token_bytes * max_model_len * sequences, 2**25), 2**33)
+        # no chunked prefill: it moves a seeded request's generator back, which a CPU one cannot do
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
     return kwargs
 
 
@@ -565,13 +570,14 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:
     return dict(kind="train", round=round_index, weights_version=version, prompts=prompts,
-                n=args.num_samples, temperature=args.temperature, max_tokens=args.response_length)
+                n=args.num_samples, temperature=args.temperature, max_tokens=args.response_length,
+                seed=plumbing.sampling_seed(args.seed, "train", round_index))
 
 
 def eval_request(version: int, prompts: list, args: Args, final: bool = False) -> dict:
     return dict(kind="eval", final=final, weights_version=version, prompts=prompts, n=1,
                 temperature=args.eval_temperature, max_tokens=args.eval_response_length,
-                requested=time.time())
+                seed=plumbing.sampling_seed(args.seed, "eval", version), requested=time.time())
 
 
 # --- Evaluation: greedy pass@1 on the test split ------------------------------------------------
@@ -617,13 +623,7 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
                     tokenizer, args, pad_id, eos_id, device, autocast)
     sums = plumbing.reduce_sums(sums, args.world_size)
     record = eval_record(sums, message["generation_version"], args)
-    record["time/eval"] = time.time() - start
-    record["time/elapsed"] = time.time() - training_start if training_start else 0.0
-    if training_start:
-        record.update(plumbing.timeline(
-            training_start, evaluation=(start, time.time()),
-            eval_queued=(message["requested"], message["weight_load_start"]),
-            eval_generation=(message["generation_start"], message["generation_end"])))
+    record.update(plumbing.eval_times(message, start, training_start))
     if args.rank == 0:
         responses = truncate_at_eos(responses[:3], args.eval_response_length, eos_id)[0]
         record["eval/samples"] = [dict(prompt=tokenizer.decode(p)[-200:], response=tokenizer.decode(r))

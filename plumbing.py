@@ -10,7 +10,9 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, NoReturn, Optional
 
@@ -29,7 +31,8 @@ def run(main: Callable, args_class, tiny_defaults: dict) -> None:
     generator (exit 1) or Ctrl-C (130) told in one line, not a traceback."""
     args = parse_args(args_class, tiny_defaults)
     args.rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # SIGTERM (a scheduler's notice): with --save_every, a checkpoint at the round's end, then exit
+    signal.signal(signal.SIGTERM, lambda *_: TERM.set() if args.save_every else sys.exit(128 + signal.SIGTERM))
     code = 0
     with contextlib.ExitStack() as cleanup:
         try:
@@ -74,14 +77,17 @@ def batch_sizes(args, world_size: int, positive: tuple = ("temperature", "eval_t
         if getattr(args, name) <= 0:
             fail(f"--{name} must be positive, got {getattr(args, name)}")
     local_batch_size, prompts_per_round = args.batch_size // world_size, args.batch_size * args.num_mini_batches
+    hf = getattr(args, "generation_backend", "vllm") == "hf"  # (sync_baseline.py: no generator process)
     for bad, message in [
         (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast without a "
          "gradient scaler, and small gradients would underflow to 0 silently; use bfloat16 (or float32)"),
         (args.eval_every < 0, f"--eval_every must be 0 (off) or positive, got {args.eval_every}"),
+        (args.save_every < 0, f"--save_every must be 0 (off) or positive, got {args.save_every}"),
         (not 0 < args.vllm_gpu_memory_utilization <= 1, "--vllm_gpu_memory_utilization must be in (0, 1]"),
         (min(args.num_eval_prompts, args.num_final_eval_prompts or world_size) < world_size,
          "--num_eval_prompts and --num_final_eval_prompts must give every learner process a prompt"),
         (args.fsdp and world_size == 1, "--fsdp shards over several learner processes: launch with torchrun"),
+        (args.fsdp and hf, "--fsdp works with --generation_backend vllm only"),  # hf: ranks sample apart
         (args.batch_size % world_size, f"--batch_size {args.batch_size} must divide over {world_size} processes"),
         (local_batch_size % args.per_device_train_batch_size, f"--per_device_train_batch_size "
          f"{args.per_device_train_batch_size} must divide the per-process batch ({local_batch_size} prompts)"),
@@ -91,6 +97,7 @@ def batch_sizes(args, world_size: int, positive: tuple = ("temperature", "eval_t
         if bad:
             fail(message)
     args.world_size, args.local_batch_size = world_size, local_batch_size
+    args.generator_cores = 0 if hf else args.generator_cores  # (hf: the learner takes every core)
     args.gradient_accumulation_steps = local_batch_size // args.per_device_train_batch_size
     args.num_rounds = args.total_episodes // prompts_per_round
     args.num_steps = args.num_rounds * args.num_mini_batches * args.num_epochs
@@ -124,8 +131,10 @@ def check_model_path(flag: str, path: str) -> None:
              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
 
 
-def load_prompt_splits(dataset: str, seed: int):
-    """Train and validation splits from a hub name, a folder or one file (5% held out)."""
+def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_response"),
+                       names=("train", "validation"), config: Optional[str] = None):
+    """The train and evaluation splits (`names`) from a hub name (and `config`), a folder of split
+    files or one file (then 5% is held out), with `columns`."""
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
         os.path.splitext(dataset)[1])
     if os.path.isfile(dataset) and kind is None:
@@ -135,19 +144,19 @@ def load_prompt_splits(dataset: str, seed: int):
     try:
         if os.path.isfile(dataset):
             split = datasets.load_dataset(kind, data_files=dataset)["train"].train_test_split(0.05, seed=seed)
-            splits = {"train": split["train"], "validation": split["test"]}
+            splits = {names[0]: split["train"], names[1]: split["test"]}
         else:
-            splits = datasets.load_dataset(dataset)
+            splits = datasets.load_dataset(dataset, config)
     except Exception as e:  # offline hub names, unreadable files
         fail(f"--dataset {dataset}: could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    for split in ("train", "validation"):
+    for split in names:
         if split not in splits:
             fail(f"--dataset {dataset}: no '{split}' split (found {sorted(splits)})")
-        missing = {"query", "reference_response"} - set(splits[split].column_names)
+        missing = set(columns) - set(splits[split].column_names)
         if missing:
             fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
                  f"found {splits[split].column_names}")
-    return splits["train"], splits["validation"]
+    return splits[names[0]], splits[names[1]]
 
 
 def load_tokenizer(path: str) -> tuple:
@@ -207,7 +216,8 @@ def start_run(args, cleanup: contextlib.ExitStack):
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     args.run_name = f"{args.model}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    args.output_dir = args.output_dir or (os.path.dirname(checkpoint_folder(args.resume_from)) if args.resume_from
+                                          else os.path.join("runs", args.run_name))  # resumed: the same folder
     device, generator_cores = learner_device(int(os.environ.get("LOCAL_RANK", 0)), args.world_size,
                                              args.generator_cores)
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -216,6 +226,12 @@ def start_run(args, cleanup: contextlib.ExitStack):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    if args.resume_from:  # refuse a checkpoint of another run before anything is written
+        saved_args = read_checkpoint(args.resume_from)["args"]
+        differ = [k for k, v in saved_args.items() if k not in MAY_DIFFER and getattr(args, k, v) != v]
+        if differ:
+            fail(f"--resume_from {args.resume_from}: its run had --{differ[0]} {saved_args[differ[0]]}, "
+                 f"this one has {getattr(args, differ[0])}")
     metrics_file = open_metrics(args, args.rank)
     cleanup.callback(close_metrics, metrics_file, args.track)
     if args.rank == 0:
@@ -294,6 +310,11 @@ def split(batch: dict, parts: int) -> list[dict]:
     return [{key: value[i * size: (i + 1) * size] for key, value in batch.items()} for i in range(parts)]
 
 
+def sampling_seed(seed: int, kind: str, index: int) -> int:
+    """The sampling seed of a training round or an evaluation (by round or version), from --seed."""
+    return int(np.random.SeedSequence([seed, ["train", "eval"].index(kind), index]).generate_state(1)[0])
+
+
 def share(obj, rank: int, world_size: int):
     """Rank 0 talks to the generator; the other ranks get its messages (and errors) from here."""
     if world_size == 1:
@@ -319,6 +340,133 @@ def reduce_max(value: float, world_size: int) -> float:
     values = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values.item()
+
+
+# --- Checkpoints: --save_every N and --resume_from DIR, an exact resume ----------------------------
+# Flags a resumed run may change: where and how it logs, and the evaluations (they draw no training
+# sample). Any other difference is refused.
+MAY_DIFFER = {"exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "verbose",
+              "tiny_dir", "vllm_gpu_memory_utilization", "generator_cores", "gradient_checkpointing",
+              "save_every", "resume_from", "run_name", "rank", "eval_every", "num_eval_prompts",
+              "num_final_eval_prompts", "eval_temperature", "eval_response_length"}
+TERM = threading.Event()  # SIGTERM arrived (see run)
+
+
+def checkpoint_due(args, version: int) -> bool:
+    """At a round's end: --save_every steps passed since the last checkpoint, or SIGTERM arrived (on
+    any rank: all ranks agree)."""
+    if not args.save_every:
+        return False
+    steps = args.num_mini_batches * args.num_epochs
+    due = version // args.save_every > (version - steps) // args.save_every or TERM.is_set()
+    return reduce_max(float(due), args.world_size) > 0
+
+
+def save_checkpoint(args, loop: dict, generator, score: Callable, learner, optimizer, scheduler, weight_buffer,
+                    metrics_file) -> int:
+    """{output_dir}/checkpoint, at a round's end. The batch in flight is not saved: a resumed run
+    requests it again, with the weights in the buffer, which the checkpoint holds. So are the
+    evaluations queued behind it (their version is the buffer's); those queued before it, whose
+    weights have left the buffer, are scored first (`score`). Then the learner and optimizer
+    (torch.distributed.checkpoint: under FSDP2 each rank writes its own shards), the scheduler, the
+    RNG states, the loop's counters, the flags and how much of metrics.jsonl is written, beside the
+    last checkpoint, then renamed into place: an interrupted save leaves the last one whole. After
+    SIGTERM, exit. Returns the evaluations still pending."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    in_flight = loop.pop("batch_in_flight", True)  # (gsm8k_async_dpo.py --sync requests it later)
+    behind = int(in_flight and loop["pending_evals"] > 0 and loop["last_eval"] == loop["buffer_version"])
+    for _ in range(loop["pending_evals"] - behind):
+        score(collect(generator, args))
+    loop["pending_evals"] = [loop["last_eval"]] * behind  # the versions a resumed run requests again
+    start, folder = time.time(), os.path.join(args.output_dir, "checkpoint")
+    if args.rank == 0:
+        shutil.rmtree(folder + ".new", ignore_errors=True)
+        os.makedirs(folder + ".new")
+    if args.world_size > 1:
+        dist.barrier()
+    model_state, optim_state = get_state_dict(learner, optimizer)
+    with warnings.catch_warnings():  # (one learner: "torch.distributed is disabled", as it should be)
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(folder + ".new", "learner"),
+                 no_dist=args.world_size == 1)
+    if args.rank == 0:
+        metrics_file.flush()
+        rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                   cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        state = dict(loop=loop, scheduler=scheduler.state_dict(), weight_buffer=weight_buffer, rng=rng,
+                     args=asdict(args), metrics_bytes=metrics_file.tell())
+        torch.save(state, os.path.join(folder + ".new", "state.pt"))
+        if os.path.exists(folder):
+            os.replace(folder, folder + ".old")
+        os.replace(folder + ".new", folder)
+        shutil.rmtree(folder + ".old", ignore_errors=True)
+        size = sum(f.stat().st_size for f in os.scandir(folder) if f.is_file()) + sum(
+            f.stat().st_size for f in os.scandir(os.path.join(folder, "learner")))
+        tqdm.write(f"checkpoint at step {loop['version']}: {size / 2**20:.1f} MiB in {time.time() - start:.2f} s")
+    if args.world_size > 1:
+        dist.barrier()
+    if TERM.is_set():
+        tqdm.write(f"stopped by SIGTERM after the checkpoint; continue with --resume_from {args.output_dir}",
+                   file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM)
+    return behind
+
+
+def checkpoint_folder(path: str) -> str:
+    """--resume_from: a run's folder or its checkpoint folder (or what an interrupted save left)."""
+    for folder in (path, os.path.join(path, "checkpoint"), os.path.join(path, "checkpoint.old")):
+        if os.path.isfile(os.path.join(folder, "state.pt")):
+            return os.path.abspath(folder)
+    fail(f"--resume_from {path}: no checkpoint there (a run's folder, or its checkpoint folder, written "
+         f"with --save_every)")
+
+
+def read_checkpoint(path: str) -> dict:
+    try:
+        return torch.load(os.path.join(checkpoint_folder(path), "state.pt"), map_location="cpu", weights_only=False,
+                          mmap=True)
+    except Exception as e:
+        fail(f"--resume_from {path}: damaged checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
+def resume(args, learner, optimizer, scheduler, weight_buffer, metrics_file) -> dict:
+    """--resume_from: the learner, optimizer, scheduler, generator weights and RNG states of a
+    checkpoint, and metrics.jsonl cut back to what it covered. Returns where the loop was (without
+    --resume_from: the start)."""
+    if not args.resume_from:
+        return dict(round=0, version=0, buffer_version=0, last_eval=0, pending_evals=[])
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    saved = read_checkpoint(args.resume_from)
+    model_state, optim_state = get_state_dict(learner, optimizer)
+    try:
+        learner_folder = os.path.join(checkpoint_folder(args.resume_from), "learner")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=learner_folder,
+                     no_dist=args.world_size == 1)
+    except (Exception, dcp.api.CheckpointException) as e:  # (the latter is a BaseException)
+        cause = next(iter(getattr(e, "failures", {}).values()), (e, None))[0]  # (DCP wraps them)
+        detail = (str(cause).strip().splitlines() or [""])[0][:200]
+        fail(f"--resume_from {args.resume_from}: damaged checkpoint ({type(cause).__name__}"
+             f"{': ' + detail if detail else ''})")
+    set_state_dict(learner, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    scheduler.load_state_dict(saved["scheduler"])
+    if weight_buffer is not None:
+        weight_buffer.copy_(saved["weight_buffer"])
+    random.setstate(saved["rng"]["python"])
+    np.random.set_state(saved["rng"]["numpy"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    if saved["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+    if metrics_file is not None:
+        metrics_file.truncate(saved["metrics_bytes"])
+    if args.rank == 0:
+        print(f"resumed at step {saved['loop']['version']} (round {saved['loop']['round']})", flush=True)
+    return saved["loop"]
 
 
 # --- Metrics: metrics.jsonl (and wandb with --track) ---------------------------------------------
@@ -367,6 +515,17 @@ def timeline(origin: float, **phases: tuple[float, float]) -> dict:
     """`timeline/{phase}_start` and `_end`, seconds since training began (benchmarks/timeline.py)."""
     return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
             for edge, t in zip(("start", "end"), span)}
+
+
+def eval_times(message: dict, start: float, training_start: Optional[float]) -> dict:
+    """An evaluation's `time/` seconds and, during training, its `timeline/` spans."""
+    record = {"time/eval": time.time() - start,
+              "time/elapsed": time.time() - training_start if training_start else 0.0}
+    if training_start:
+        record.update(timeline(training_start, evaluation=(start, time.time()),
+                               eval_queued=(message["requested"], message["weight_load_start"]),
+                               eval_generation=(message["generation_start"], message["generation_end"])))
+    return record
 
 
 def round_times(origin: float, round_start: float, eval_seconds: float, **phases: tuple) -> dict:
@@ -425,6 +584,7 @@ def hf_generate(policy, my_prompts, args, pad_id: int, eos_id: int, autocast, re
     mine = range(args.rank, len(prompts), args.world_size) if request["kind"] == "eval" else my_prompts
     responses, chunk = [None] * (len(prompts) * n), args.per_device_train_batch_size
     policy.eval()  # generate with the KV cache: gradient checkpointing (training only) turns it off
+    torch.manual_seed(request["seed"] + args.rank)  # as vLLM's: a request's own seed (resume)
     for part in [mine[c: c + chunk] for c in range(0, len(mine), chunk)]:
         inputs, _ = collate([prompts[i] for i in part], [[]] * len(part), pad_id, device)
         with autocast:
@@ -470,13 +630,14 @@ def receive(results, process) -> dict:
 
 
 def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
-    """The generator process: Ctrl-C goes to the learner, death with the learner (PDEATHSIG), vLLM's
+    """The generator process: Ctrl-C and SIGTERM go to the learner, death with it (PDEATHSIG), vLLM's
     log to a file, no torchrun variables (they describe the learners), temporary files where the
     learner removes them, and on CPU its own cores (before vLLM, which ignores later changes)."""
     import ctypes
     import tempfile
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for stop in (signal.SIGINT, signal.SIGTERM):  # a scheduler signals the process group: the learner
+        signal.signal(stop, signal.SIG_IGN)  # decides (and may need us to finish an evaluation first)
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
     if log_path:
@@ -517,10 +678,9 @@ def stop_generator(generator: Generator) -> None:
     with contextlib.suppress(queue.Full, ValueError, OSError):
         generator.requests.put_nowait(None)  # a polite stop, seen if the generator is idle
     process.join(timeout=2)
-    for stop in (process.terminate, process.kill):
-        if process.is_alive():
-            stop()
-            process.join(timeout=3)
+    if process.is_alive():  # (it ignores SIGTERM)
+        process.kill()
+        process.join(timeout=3)
     for pending in (generator.requests, generator.results):
         pending.cancel_join_thread()
         pending.close()

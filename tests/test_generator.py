@@ -42,7 +42,7 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
 
         def generate(version: int) -> dict:
             plumbing.send(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
-                                          temperature=0.0, max_tokens=12), generator)
+                                          temperature=0.0, max_tokens=12, seed=version), generator)
             return plumbing.receive(results, generator)
 
         def cut(tokens: list) -> list:  # HF keeps generating pads after EOS; vLLM stops

@@ -1,0 +1,158 @@
+"""Exact resume (--save_every, --resume_from): a run stopped by SIGTERM, or whose later records a crash left
+behind, continues from its checkpoint and gives the metrics of the run that never stopped, step by step, with the
+same evaluations; a checkpoint of another run, a damaged one or none is refused with a one-line error."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, TORCHRUN_2, run_script
+
+import plumbing
+
+RUN = ("--model", "tiny", "--total_episodes", "192", "--eval_every", "2", "--num_eval_prompts", "32")
+COMPARED = {"async_dpo.py": ("loss/dpo", "logps/chosen", "logps/rejected", "reward/mean", "logps/generator_gap"),
+            "async_ppo.py": ("loss/policy", "loss/value", "objective/kl", "policy/ratio_mean", "reward/mean")}
+
+
+def records(folder) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+
+
+def assert_same_run(straight, resumed, keys: tuple, rel: float = 1e-5) -> None:
+    """Every step and evaluation of `straight` is in `resumed` once, in order, with the same values."""
+    a, b = records(straight), records(resumed)
+    for kind in ("staleness", "eval/num_prompts"):
+        steps_a, steps_b = [r for r in a if kind in r], [r for r in b if kind in r]
+        assert [r["step"] for r in steps_b] == [r["step"] for r in steps_a]  # none missing, none twice
+        for x, y in zip(steps_a, steps_b):
+            compared = (*keys, "staleness", "generation_version", "lr") if kind == "staleness" else \
+                [k for k in x if k.startswith("eval/") and k != "eval/samples"]
+            for key in compared:
+                assert y[key] == pytest.approx(x[key], rel=rel, abs=rel), (x["step"], key)
+
+
+def run_and_stop(script: str, tiny_dir: str, out, after_steps: int, launcher: tuple = ()) -> str:
+    """Start a run (--save_every 100: no checkpoint of its own within 6 steps), send it SIGTERM once `after_steps`
+    steps are logged, as a scheduler would; it saves a checkpoint at the round's end and stops. Returns stderr."""
+    command = [*launcher, *([] if launcher else [sys.executable]), os.path.join(REPO, script), *RUN, "--tiny_dir",
+               tiny_dir, "--output_dir", str(out), "--save_every", "100"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    while process.poll() is None and (not metrics.exists() or open(metrics).read().count("staleness") < after_steps):
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)  # (torchrun passes it on to its workers)
+    _, stderr = process.communicate(timeout=900)
+    assert (out / "checkpoint" / "state.pt").exists(), stderr[-3000:]
+    assert launcher or process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    return stderr
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tiny_dir, tmp_path_factory) -> dict:
+    """Each script's 6-step run straight through, saving a checkpoint every 2 steps (at steps 2 and 4)."""
+    runs = {}
+    for script in COMPARED:
+        out = tmp_path_factory.mktemp(script[:-3])
+        result = run_script(*RUN, "--tiny_dir", tiny_dir, "--output_dir", str(out), "--save_every", "2",
+                            script=script)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "checkpoint at step 4" in result.stderr + result.stdout
+        runs[script] = out
+    return runs
+
+
+@pytest.mark.parametrize("script", list(COMPARED))
+def test_stopped_by_sigterm_and_resumed_is_the_run_that_never_stopped(script, tiny_dir, tmp_path, straight_runs):
+    stderr = run_and_stop(script, tiny_dir, tmp_path, after_steps=2)
+    assert "stopped by SIGTERM after the checkpoint" in stderr
+    assert len([r for r in records(tmp_path) if "staleness" in r]) < 6  # it did stop early
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--save_every", "100", "--resume_from", str(tmp_path),
+                        script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed at step" in result.stdout
+    assert_same_run(straight_runs[script], tmp_path, COMPARED[script])
+
+
+def test_resume_cuts_back_what_was_logged_after_the_checkpoint(tiny_dir, tmp_path, straight_runs):
+    """A run that died after writing steps 5 and 6 (and its final evaluation) but before another checkpoint: the
+    resumed run rewrites them from step 4's checkpoint. Left-overs of an interrupted save (a half-written
+    `checkpoint.new`) are ignored."""
+    shutil.copytree(straight_runs["async_dpo.py"], tmp_path, dirs_exist_ok=True)
+    (tmp_path / "checkpoint.new").mkdir()
+    (tmp_path / "checkpoint.new" / "state.pt").write_bytes(b"half written")
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(tmp_path / "checkpoint"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed at step 4 (round 4)" in result.stdout
+    assert_same_run(straight_runs["async_dpo.py"], tmp_path, COMPARED["async_dpo.py"])
+
+
+def test_resume_under_torchrun(tiny_dir, tmp_path, straight_runs):
+    """Two DDP learner ranks stopped by SIGTERM (every rank agrees on the round to save at) and resumed: the same
+    trajectory as one process straight through (to the tolerance two ranks give)."""
+    run_and_stop("async_dpo.py", tiny_dir, tmp_path, after_steps=2, launcher=TORCHRUN_2)
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(tmp_path), "--save_every", "100",
+                        launcher=TORCHRUN_2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(straight_runs["async_dpo.py"], tmp_path, ("reward/mean", "loss/dpo", "logps/chosen"), rel=1e-3)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--beta", "0.2"), "its run had --beta 0.1, this one has 0.2"),
+    (("--total_episodes", "256"), "--total_episodes"),
+])
+def test_a_checkpoint_of_another_run_is_refused(tiny_dir, tmp_path, straight_runs, flags, message):
+    """Refused before anything is written: metrics.jsonl and the checkpoint stay as they were."""
+    shutil.copytree(straight_runs["async_dpo.py"], tmp_path, dirs_exist_ok=True)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(tmp_path), *flags)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_damaged_or_missing_checkpoint_gets_a_clear_error(tiny_dir, tmp_path, straight_runs):
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(tmp_path / "nothing"))
+    assert result.returncode == 2 and "no checkpoint there" in result.stderr, result.stderr[-3000:]
+    shutil.copytree(straight_runs["async_dpo.py"], tmp_path / "run")
+    before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    shard = next((tmp_path / "run" / "checkpoint" / "learner").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])  # a truncated copy
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(tmp_path / "run"))
+    assert result.returncode == 2 and "damaged checkpoint" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
+
+
+def test_sigterm_during_a_save_lets_it_finish_then_exits(tiny_dir, tmp_path):
+    """The SIGTERM handler only raises a flag: a signal that arrives while a checkpoint is written (here, before
+    the call) changes nothing in it; the save completes, is renamed into place whole, and then the run stops."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    from async_dpo import Args
+
+    args = Args(output_dir=str(tmp_path), save_every=1)
+    metrics = open(tmp_path / "metrics.jsonl", "a")
+    loop = dict(round=1, version=1, buffer_version=0, last_eval=0, pending_evals=0)
+    old_handler = signal.signal(signal.SIGTERM, lambda *_: plumbing.TERM.set())
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(SystemExit) as stopped:
+            plumbing.save_checkpoint(args, loop, None, None, policy, optimizer, scheduler, torch.zeros(3), metrics)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+        plumbing.TERM.clear()
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "metrics.jsonl"]  # no .new or .old left behind
+    saved = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)
+    assert saved["loop"]["version"] == 1 and saved["scheduler"] == scheduler.state_dict()
