@@ -628,8 +628,7 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
                      reward_models: dict, ref_policy, tokenizer, args: Args, device, autocast,
                      metrics_file) -> float:
     """Score an evaluation's completions on every rank, then print and log it. Returns seconds."""
-    start, eos_id = time.time(), tokenizer.eos_token_id
-    pad_id = eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    start, (eos_id, pad_id) = time.time(), plumbing.special_ids(tokenizer)
     responses = message["responses"][args.rank:: args.world_size]
     prompts = eval_set["my_prompts"][: len(responses)]
     sums = evaluate(responses, prompts, eval_set["reference_scores"], reward_models, ref_policy,

@@ -615,8 +615,7 @@ def eval_record(sums: dict, step: int, args: Args) -> dict:
 def score_evaluation(message: dict, training_start: Optional[float], eval_set: dict, ref_policy,
                      tokenizer, args: Args, device, autocast, metrics_file) -> float:
     """Grade an evaluation's answers on every rank, then print and log it. Returns seconds."""
-    start, eos_id = time.time(), tokenizer.eos_token_id
-    pad_id = eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    start, (eos_id, pad_id) = time.time(), plumbing.special_ids(tokenizer)
     responses = message["responses"][args.rank:: args.world_size]
     prompts = eval_set["my_prompts"][: len(responses)]
     sums = evaluate(responses, prompts, eval_set["my_answers"][: len(responses)], ref_policy,

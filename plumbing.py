@@ -163,8 +163,13 @@ def load_tokenizer(path: str) -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
         fail(f"--sft_model_path {path}: the tokenizer has no EOS token")
+    return tokenizer, *special_ids(tokenizer)
+
+
+def special_ids(tokenizer) -> tuple[int, int]:
+    """EOS, and the id to pad with (EOS if the tokenizer has none: masks say what is padding)."""
     eos_id = tokenizer.eos_token_id
-    return tokenizer, eos_id, eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    return eos_id, eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def load_reward_models(args, dtype: torch.dtype, device: torch.device) -> dict:
