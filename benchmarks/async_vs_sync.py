@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 import tyro
 
@@ -28,6 +29,8 @@ class Args(OverlapArgs):
     """optimizer steps per run"""
     plot_path: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "async_vs_sync.png")
     """where the reward-against-time plot goes"""
+    runs_dir: Optional[str] = None
+    """keep each run's folder here, `{runs_dir}/{run}` (default: temporary folders, removed afterwards)"""
 
 
 CONFIGS = {  # name: (script, extra flags). No EOS penalty: the untrained model never stops before the length cap.
@@ -40,10 +43,10 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     model = tiny_world.build_untrained(args.cache_dir, args.hidden_size, args.num_layers)
     runs = {}
-    for name, (script, extra) in CONFIGS.items():
-        with tempfile.TemporaryDirectory() as output_dir:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (script, extra) in CONFIGS.items():
             print(f"running {name} ...", flush=True)
-            runs[name] = run_pipeline(script, *model, args, output_dir, *extra)
+            runs[name] = run_pipeline(script, *model, args, os.path.join(args.runs_dir or tmp, name), *extra)
 
     summary = {}
     print(f"\n{'run':<10} {'generation':>10} {'training':>9} {'step':>7} {'reward(last 10)':>15} {'eval reward':>11} "

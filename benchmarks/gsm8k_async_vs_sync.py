@@ -35,7 +35,8 @@ class Args:
 
 
 def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
-    flags = ["--total_episodes", "320", "--eval_every", "5", "--num_eval_prompts", "40"] if args.quick else []
+    flags = ["--total_episodes", "160", "--eval_every", "2", "--num_eval_prompts", "40",
+             "--num_final_eval_prompts", "40"] if args.quick else []
     start = time.time()
     subprocess.run([sys.executable, os.path.join(REPO, "gsm8k_async_dpo.py"), "--model", "tiny", "--tiny_dir",
                     args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, *(["--sync"] if sync else []),

@@ -31,7 +31,7 @@ PHASES = {
 
 @dataclass
 class Args:
-    metrics: list[str] = field(default_factory=list)
+    metrics: tyro.conf.Positional[list[str]] = field(default_factory=list)
     """metrics.jsonl files, one per run (or none with --run)"""
     labels: list[str] = field(default_factory=list)
     """a name per run (default: the file's folder)"""

@@ -1,18 +1,53 @@
 """The benchmark scripts in their reduced modes: they run and produce their tables and plots (the figures they
 measure are in the README, from full runs)."""
+import json
 import os
 
 from conftest import run_script
 from test_end_to_end import read_metrics
 
 
-def test_async_vs_sync_benchmark_reduced(tmp_path):
-    plot = tmp_path / "plot.png"
-    result = run_script("--steps", "4", "--warmup_steps", "1", "--cache_dir", str(tmp_path / "model"), "--plot_path",
-                        str(plot), script=os.path.join("benchmarks", "async_vs_sync.py"))
+def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
+    """The async-vs-sync benchmark runs, and benchmarks/timeline.py draws its async and sync runs from the
+    `timeline/*` every script logs: the generator's and the learner's phases in order, overlapping only in the
+    asynchronous run."""
+    plot, runs = tmp_path / "plot.png", tmp_path / "runs"
+    result = run_script("--steps", "6", "--warmup_steps", "1", "--cache_dir", str(tmp_path / "model"), "--plot_path",
+                        str(plot), "--runs_dir", str(runs), script=os.path.join("benchmarks", "async_vs_sync.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "speedup=" in result.stdout and "ideal=" in result.stdout and "speedup_vs_sync_hf=" in result.stdout
     assert plot.stat().st_size > 1000
+
+    timeline = tmp_path / "timeline.png"
+    paths = [str(runs / name / "metrics.jsonl") for name in ("async", "sync-vllm")]
+    result = run_script(*paths, "--labels", "async", "sync", "--steps", "2", "6", "--output", str(timeline),
+                        script=os.path.join("benchmarks", "timeline.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert timeline.stat().st_size > 10000
+    for path, asynchronous in zip(paths, (True, False)):
+        assert_timeline_ordered([json.loads(line) for line in open(path)], asynchronous, num_steps=6)
+
+
+GENERATOR, LEARNER = ("weight_load", "generation"), ("learner_wait", "weight_sync", "training")
+
+
+def assert_timeline_ordered(records: list[dict], asynchronous: bool, num_steps: int) -> None:
+    rounds = [r for r in records if "timeline/training_start" in r]
+    assert [r["step"] for r in rounds] == list(range(1, num_steps + 1))
+    for r in rounds:
+        span = {phase: (r[f"timeline/{phase}_start"], r[f"timeline/{phase}_end"]) for phase in GENERATOR + LEARNER}
+        assert all(0 <= start <= end for start, end in span.values()), span
+        assert span["weight_load"][1] <= span["generation"][0]  # the generator loads, then samples
+        assert span["weight_sync"][1] <= span["training"][0] and span["learner_wait"][1] <= span["training"][0]
+        # the async learner takes the batch, then hands over its weights; the sync one hands them over first
+        assert (span["learner_wait"][1] <= span["weight_sync"][0]) == asynchronous
+    for previous, current in zip(rounds, rounds[1:]):
+        # The next batch's generation starts while this one trains (async), or only after it (sync)
+        overlaps = current["timeline/generation_start"] < previous["timeline/training_end"]
+        assert overlaps == asynchronous, previous["step"]
+    evaluation = [r for r in records if "timeline/evaluation_start" in r]
+    assert evaluation and all(r["timeline/eval_generation_start"] <= r["timeline/eval_generation_end"] <=
+                              r["timeline/evaluation_start"] <= r["timeline/evaluation_end"] for r in evaluation)
 
 
 def test_tiny_curves_quick(tiny_dir, tmp_path):
