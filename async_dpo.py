@@ -76,7 +76,9 @@ class Args:
     dataset: Optional[str] = None
     """prompts with `query`, `reference_response` columns (hub, folder or file). Overrides the preset"""
     gold_reward_model_path: Optional[str] = None
-    """gold reward model, only for evaluation (shares the policy's tokenizer); `tiny` has its own"""
+    """gold reward model, only for evaluation; `tiny` has its own"""
+    reward_chat_template: bool = False
+    """give the reward models prompt and completion as a chat in their tokenizer's chat template"""
     tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
     """where `--model tiny` builds (once) and caches its toy models, tokenizer and dataset"""
 
@@ -176,7 +178,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     policy = plumbing.prepare_policy(policy.to(device), args.gradient_checkpointing)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
     ref_policy = ref_policy.to(device).eval().requires_grad_(False)
-    reward_models = plumbing.load_reward_models(args, dtype, device)
+    reward_models = plumbing.load_reward_models(args, tokenizer, train_data, dtype, device)
     learner = plumbing.shard_or_replicate(policy, [ref_policy, *reward_models.values()], args, device)
     optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.num_steps)
@@ -240,8 +242,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # 3. ALGO: score this rank's completions; each prompt's best and worst form its DPO pair
         train_start = time.time()
         prompts = [train_prompts[i] for i in prompt_rounds[round_index][my_prompts]]
-        pairs = make_pairs(batch, prompts, my_prompts, reward_models["proxy"], args, pad_id,
-                           eos_id, device)
+        pairs = make_pairs(batch, prompts, my_prompts, reward_models["proxy"], args, pad_id, eos_id, device)
 
         # 4. ALGO: the frozen reference's log-probs of every pair, once per round
         ref_logps = logprobs_in_chunks(
@@ -253,8 +254,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         for epoch in range(args.num_epochs):
             for n, mini_batch in enumerate(plumbing.split(pairs, args.num_mini_batches)):
                 staleness = version - batch["generation_version"]  # steps since it was sampled
-                stats = dpo_update(learner, optimizer, scheduler, mini_batch, args, pad_id, device,
-                                   autocast)
+                stats = dpo_update(learner, optimizer, scheduler, mini_batch, args, pad_id, device, autocast)
                 version += 1
 
                 # 6. Log the step (and the round's timings with its last step)
@@ -299,7 +299,7 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
     plumbing.batch_sizes(args, world_size)
 
 
-# --- Tokens, log-probs and rewards ---------------------------------------------------------------
+# --- Tokens and log-probs -----------------------------------------------------------------------
 def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
     """Cut each completion after its first EOS (and at `length`); say which ones emitted EOS."""
     cut, has_eos = [], []
@@ -337,26 +337,26 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
     return torch.cat(logprobs)
 
 
-def get_reward(reward_model, inputs: dict, response_mask: torch.Tensor, has_eos: list[bool],
-               missing_eos_penalty: Optional[float]) -> torch.Tensor:
-    """The score at the last token of prompt + response; without EOS, the penalty (if not None)."""
-    hidden = getattr(reward_model, reward_model.base_model_prefix)(**inputs).last_hidden_state
-    last_index = inputs["input_ids"].shape[1] - response_mask.shape[1] + response_mask.sum(1) - 1
-    rows = torch.arange(len(hidden), device=hidden.device)
-    with torch.autocast(hidden.device.type, enabled=False):  # the float32 head (load_reward_model)
-        scores = reward_model.score(hidden[rows, last_index].float()).squeeze(-1)
+# --- The reward (to score completions your own way, replace this function: see README.md) ---------
+@torch.no_grad()
+def score_in_chunks(reward_model, prompts: list, responses: list, has_eos: list,
+                    missing_eos_penalty: Optional[float], chunk: int, pad_id: int, device):
+    """Each completion's score: the reward model's at the last token of prompt + completion (if it
+    has a tokenizer of its own: of their text, re-tokenised); without EOS, the penalty (or None)."""
+    if reward_model.retokenize is not None:  # (plumbing.reward_tokenizer: said at start-up)
+        prompts, responses, pad_id = reward_model.retokenize(prompts, responses, has_eos)
+    backbone, scores = getattr(reward_model, reward_model.base_model_prefix), []
+    for part in [slice(i, i + chunk) for i in range(0, len(prompts), chunk)]:
+        inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
+        hidden = backbone(**inputs).last_hidden_state
+        last = inputs["input_ids"].shape[1] - mask.shape[1] + mask.sum(1) - 1  # the last real token
+        rows = torch.arange(len(hidden), device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # the head in float32 (plumbing)
+            scores.append(reward_model.score(hidden[rows, last].float()).squeeze(-1).cpu())
+    scores = torch.cat(scores)
     if missing_eos_penalty is None:
         return scores
-    return torch.where(torch.tensor(has_eos, device=scores.device), scores, missing_eos_penalty)
-
-
-@torch.no_grad()
-def score_in_chunks(model, prompts: list, responses: list, has_eos: list,
-                    missing_eos_penalty: Optional[float], chunk: int, pad_id: int, device):
-    return torch.cat([
-        get_reward(model, *plumbing.collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id, device),
-                   has_eos[i: i + chunk], missing_eos_penalty).cpu()
-        for i in range(0, len(prompts), chunk)])
+    return torch.where(torch.tensor(has_eos), scores, missing_eos_penalty)
 
 
 # --- Online DPO: pairs from the reward model, the loss and the update ----------------------------
@@ -382,7 +382,8 @@ def make_pairs(batch: dict, prompts: list, my_prompts, reward_model, args: Args,
     generator_logps = torch.tensor([batch["logprobs"][i] for i in completions])
     return dict(prompts=prompts, chosen=[responses[i] for i in chosen],
                 rejected=[responses[i] for i in rejected], valid=valid.float(), scores=scores,
-                eos=torch.tensor(has_eos, dtype=torch.float).view(-1, K).sum(1),
+                eos=torch.tensor(has_eos, dtype=torch.float).view(-1, K),  # [prompt, k]
+                lengths=torch.tensor([len(r) for r in responses]).view(-1, K),
                 generator_chosen_logps=generator_logps[chosen],
                 generator_rejected_logps=generator_logps[rejected])
 
@@ -415,8 +416,7 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
                               micro["ref_rejected_logps"].to(device), args.beta)
             ((losses * micro["valid"].to(device)).sum() * args.world_size / num_valid).backward()
         outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
-    if args.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
+    grad_norm = plumbing.clip_grad_norm(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -439,7 +439,9 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
     stats = {k: v / (num_valid if k.startswith(("loss", "logps")) else args.batch_size)
              for k, v in sums.items()}
     gap_variance = stats.pop("logps/generator_gap_sq") - stats["logps/generator_gap"] ** 2
-    return dict(stats, **{"logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))})
+    lengths = plumbing.length_stats(mini_batch["lengths"], 1 - mini_batch["eos"], args.world_size)
+    return {**stats, **lengths, "grad/norm": grad_norm,
+            "logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
@@ -470,8 +472,7 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
     if buffer is not None and buffer.is_cuda:
-        # copy_ only queues kernels on our stream; the generator reads the memory from another
-        # process, so the copies must be finished before the request that makes it read is sent.
+        # copy_ only queues kernels: finish them before a request makes another process read them
         torch.cuda.current_stream(buffer.device).synchronize()
 
 

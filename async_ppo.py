@@ -76,7 +76,9 @@ class Args:
     dataset: Optional[str] = None
     """prompts with `query`, `reference_response` columns (hub, folder or file). Overrides the preset"""
     gold_reward_model_path: Optional[str] = None
-    """gold reward model, only for evaluation (shares the policy's tokenizer); `tiny` has its own"""
+    """gold reward model, only for evaluation; `tiny` has its own"""
+    reward_chat_template: bool = False
+    """give the reward models prompt and completion as a chat in their tokenizer's chat template"""
     tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
     """where `--model tiny` builds (once) and caches its toy models, tokenizer and dataset"""
 
@@ -97,6 +99,15 @@ class Args:
     """weight of the value loss"""
     recompute_old_logprobs: bool = False
     """pi_old: the learner's log-probs before its update (paper's code), not vLLM's; hides staleness"""
+    is_correction: Literal["none", "truncate", "mask"] = "none"
+    """weight each loss term by w = pi_old / mu for the sampler (needs --recompute_old_logprobs):
+    min(w, is_cap) (`truncate`), or 0 where w is outside [is_cap_low, is_cap] (`mask`)"""
+    is_level: Literal["token", "sequence"] = "token"
+    """w per token (PPO's loss is per token), or per completion (its tokens' geometric mean)"""
+    is_cap: float = 2.0
+    """upper cap on the importance weight w (truncate and mask)"""
+    is_cap_low: float = 0.0
+    """lower bound on w (mask)"""
     temperature: float = 0.7
     """sampling temperature; the learner divides its logits by it too, so its log-probs match"""
     num_samples: int = 1
@@ -188,10 +199,12 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     policy = plumbing.prepare_policy(policy.to(device), args.gradient_checkpointing)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
     ref_policy = ref_policy.to(device).eval().requires_grad_(False)
-    reward_models = plumbing.load_reward_models(args, dtype, device)
-    # The value model starts as the reward model (as in the paper) and trains beside the policy
+    reward_models = plumbing.load_reward_models(args, tokenizer, train_data, dtype, device)
+    # The value model starts as the reward model (as in the paper) and trains beside the policy; it
+    # reads the policy's tokens, so a reward model that re-tokenises gives way to the SFT policy
+    value_start = args.sft_model_path if reward_models["proxy"].retokenize else args.reward_model_path
     value_model = AutoModelForSequenceClassification.from_pretrained(
-        args.reward_model_path, dtype=torch.float32, num_labels=1)
+        value_start, dtype=torch.float32, num_labels=1)
     value_model = plumbing.prepare_policy(value_model.to(device), args.gradient_checkpointing)
     learner = PolicyAndValue(policy, value_model)  # one module: one DDP or FSDP2 wrapper for both
     learner = plumbing.shard_or_replicate(learner, [ref_policy, *reward_models.values()], args, device)
@@ -316,10 +329,16 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
         plumbing.fail("--cliprange, --cliprange_value, --kl_coef and --vf_coef must not be negative")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         plumbing.fail("--gamma and --lam must be in [0, 1]")
+    if args.is_correction != "none" and not args.recompute_old_logprobs:
+        plumbing.fail("--is_correction needs --recompute_old_logprobs: without it pi_old is the "
+                      "generator's mu, so w = pi_old / mu is 1 and there is nothing to correct")
+    if not 0 <= args.is_cap_low < args.is_cap:
+        plumbing.fail(f"--is_cap_low and --is_cap must satisfy 0 <= low < cap, got "
+                      f"{args.is_cap_low}, {args.is_cap}")
     plumbing.batch_sizes(args, world_size, ("temperature", "eval_temperature", "num_samples"))
 
 
-# --- Tokens, log-probs and rewards ---------------------------------------------------------------
+# --- Tokens and log-probs -----------------------------------------------------------------------
 def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
     """Cut each completion after its first EOS (and at `length`); say which ones emitted EOS."""
     cut, has_eos = [], []
@@ -357,26 +376,26 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
     return torch.cat(logprobs)
 
 
-def get_reward(reward_model, inputs: dict, response_mask: torch.Tensor, has_eos: list[bool],
-               missing_eos_penalty: Optional[float]) -> torch.Tensor:
-    """The score at the last token of prompt + response; without EOS, the penalty (if not None)."""
-    hidden = getattr(reward_model, reward_model.base_model_prefix)(**inputs).last_hidden_state
-    last_index = inputs["input_ids"].shape[1] - response_mask.shape[1] + response_mask.sum(1) - 1
-    rows = torch.arange(len(hidden), device=hidden.device)
-    with torch.autocast(hidden.device.type, enabled=False):  # the float32 head (load_reward_model)
-        scores = reward_model.score(hidden[rows, last_index].float()).squeeze(-1)
+# --- The reward (to score completions your own way, replace this function: see README.md) ---------
+@torch.no_grad()
+def score_in_chunks(reward_model, prompts: list, responses: list, has_eos: list,
+                    missing_eos_penalty: Optional[float], chunk: int, pad_id: int, device):
+    """Each completion's score: the reward model's at the last token of prompt + completion (if it
+    has a tokenizer of its own: of their text, re-tokenised); without EOS, the penalty (or None)."""
+    if reward_model.retokenize is not None:  # (plumbing.reward_tokenizer: said at start-up)
+        prompts, responses, pad_id = reward_model.retokenize(prompts, responses, has_eos)
+    backbone, scores = getattr(reward_model, reward_model.base_model_prefix), []
+    for part in [slice(i, i + chunk) for i in range(0, len(prompts), chunk)]:
+        inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
+        hidden = backbone(**inputs).last_hidden_state
+        last = inputs["input_ids"].shape[1] - mask.shape[1] + mask.sum(1) - 1  # the last real token
+        rows = torch.arange(len(hidden), device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # the head in float32 (plumbing)
+            scores.append(reward_model.score(hidden[rows, last].float()).squeeze(-1).cpu())
+    scores = torch.cat(scores)
     if missing_eos_penalty is None:
         return scores
-    return torch.where(torch.tensor(has_eos, device=scores.device), scores, missing_eos_penalty)
-
-
-@torch.no_grad()
-def score_in_chunks(model, prompts: list, responses: list, has_eos: list,
-                    missing_eos_penalty: Optional[float], chunk: int, pad_id: int, device):
-    return torch.cat([
-        get_reward(model, *plumbing.collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id, device),
-                   has_eos[i: i + chunk], missing_eos_penalty).cpu()
-        for i in range(0, len(prompts), chunk)])
+    return torch.where(torch.tensor(has_eos), scores, missing_eos_penalty)
 
 
 # --- PPO: the value model, the episodes, GAE, the clipped losses and the update -----------------
@@ -445,9 +464,49 @@ def add_advantages(episodes: dict, ref_logprobs, learner_logprobs, values, args:
     advantages = whiten(advantages, mask, args.world_size)
     _, returns_var = masked_mean_var(returns, mask, args.world_size)
     _, error_var = masked_mean_var(returns - values, mask, args.world_size)
+    # ALGO: the sampler's importance weight w = pi_old / mu, per token or per completion
+    log_weights = (old_logprobs - generator_logprobs) * mask
+    if args.is_level == "sequence":  # the geometric mean of the completion's token weights
+        log_weights = log_weights.sum(1, keepdim=True) / mask.sum(1, keepdim=True) * mask
+    is_factor, is_changed = importance_correction(log_weights.exp(), args)
     episodes.update(old_logprobs=old_logprobs, kl=kl, advantages=advantages, values=values,
                     returns=returns, generator_gap=(learner_logprobs - generator_logprobs).sum(1),
-                    explained_variance=[1 - error_var / max(returns_var, 1e-8)] * len(mask))
+                    explained_variance=[1 - error_var / max(returns_var, 1e-8)] * len(mask),
+                    learner_log_ratio=(learner_logprobs - generator_logprobs) * mask,
+                    is_weights=log_weights.exp(), is_factor=is_factor, is_changed=is_changed)
+
+
+def importance_correction(weights: torch.Tensor, args: Args) -> tuple:
+    """The factor on each loss term for the sampler's weight w, a constant (no gradient flows
+    through it), and where it changed the term: min(w, is_cap) (truncate); 1 inside
+    [is_cap_low, is_cap] and 0 outside, the loss's denominator unchanged (mask); 1 (none)."""
+    outside = (weights > args.is_cap) | (weights < args.is_cap_low)
+    if args.is_correction == "truncate":
+        return weights.clamp(max=args.is_cap).detach(), weights.detach() > args.is_cap
+    if args.is_correction == "mask":
+        return (~outside).float(), outside
+    return torch.ones_like(weights), torch.zeros_like(outside)
+
+
+def offpolicy_stats(log_ratio, token_mask, weights, changed, term_mask, world_size: int) -> dict:
+    """What an async run shows of its off-policy data: the learner-sampler mismatch per token
+    |log pi_old - log mu| (mean, max), the k3 estimate of KL(mu || pi_old) = mean(w - log w - 1)
+    over tokens, and over the loss's terms the weights (min, mean, max), the share the correction
+    changed, and the effective sample size (sum w)^2 / (n sum w^2) as a share of n."""
+    terms, mismatch = term_mask > 0, log_ratio.abs() * token_mask
+    sums = plumbing.reduce_sums({
+        "tokens": token_mask.sum().item(), "terms": terms.sum().item(), "mismatch": mismatch.sum().item(),
+        "k3": ((log_ratio.exp() - log_ratio - 1) * token_mask).sum().item(),
+        "w": weights[terms].sum().item(), "w2": (weights[terms] ** 2).sum().item(),
+        "changed": changed[terms].sum().item()}, world_size)
+    return {"offpolicy/mismatch_mean": sums["mismatch"] / sums["tokens"],
+            "offpolicy/mismatch_max": plumbing.reduce_max(mismatch.max().item(), world_size),
+            "offpolicy/kl_k3": sums["k3"] / sums["tokens"],
+            "is/weight_min": -plumbing.reduce_max(-weights[terms].min().item(), world_size),
+            "is/weight_mean": sums["w"] / sums["terms"],
+            "is/weight_max": plumbing.reduce_max(weights[terms].max().item(), world_size),
+            "is/changed_fraction": sums["changed"] / sums["terms"],
+            "is/ess_fraction": sums["w"] ** 2 / (sums["terms"] * sums["w2"])}
 
 
 def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float) -> tuple:
@@ -513,7 +572,7 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
         skip_sync = args.world_size > 1 and not args.fsdp and i < len(micro_batches) - 1
         inputs, response_mask = plumbing.collate(micro["prompts"], micro["responses"], pad_id, device)
         old = {k: micro[k][:, :response_mask.shape[1]].to(device)
-               for k in ("old_logprobs", "advantages", "values", "returns")}
+               for k in ("old_logprobs", "advantages", "values", "returns", "is_factor")}
         with learner.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
             logits, values = learner(inputs, response_mask.shape[1])
             logprobs = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
@@ -521,6 +580,7 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
             policy_losses, value_losses, ratio, policy_clipped, value_clipped = ppo_losses(
                 logprobs, old["old_logprobs"], old["advantages"], values.float(), old["values"],
                 old["returns"], args.cliprange, args.cliprange_value)
+            policy_losses = old["is_factor"] * policy_losses  # (1 without --is_correction)
             loss = ((policy_losses + args.vf_coef * value_losses) * response_mask).sum()
             (loss * args.world_size / tokens).backward()
         with torch.no_grad():  # this rank's sums over its response tokens, in the order of `sums`
@@ -529,8 +589,7 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
                                          ratio, value_clipped, entropy)):
                 sums[key] += (value.float() * response_mask).sum().item()
             ratio_max = max(ratio_max, (ratio * response_mask).max().item())
-    if args.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
+    grad_norm = plumbing.clip_grad_norm(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -547,9 +606,14 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
     stats = {k: v / (tokens if k.startswith(("loss", "policy", "value")) else args.batch_size * K)
              for k, v in sums.items()}
     gap_variance = stats.pop("logps/generator_gap_sq") - stats["logps/generator_gap"] ** 2
+    mask = mini_batch["response_mask"]  # the learner's pi_old (always computed here) against mu
+    stats.update(offpolicy_stats(mini_batch["learner_log_ratio"], mask, mini_batch["is_weights"],
+                                 mini_batch["is_changed"], mask, args.world_size))
+    stats.update(plumbing.length_stats(mask.sum(1), 1 - mini_batch["eos"], args.world_size))
     return dict(stats, **{"logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0)),
                           "policy/ratio_max": plumbing.reduce_max(ratio_max, args.world_size),
-                          "value/explained_variance": mini_batch["explained_variance"][0]})
+                          "value/explained_variance": mini_batch["explained_variance"][0],
+                          "grad/norm": grad_norm})
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
@@ -580,8 +644,7 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
     if buffer is not None and buffer.is_cuda:
-        # copy_ only queues kernels on our stream; the generator reads the memory from another
-        # process, so the copies must be finished before the request that makes it read is sent.
+        # copy_ only queues kernels: finish them before a request makes another process read them
         torch.cuda.current_stream(buffer.device).synchronize()
 
 
@@ -627,7 +690,8 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
             results.put(dict({k: v for k, v in request.items() if k != "prompts"},
                              generation_version=loaded_version,
                              responses=[list(c.token_ids) for c in completions],
-                             logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)] for c in completions],
+                             logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)]
+                                       for c in completions],
                              weight_load_start=load_start, generation_start=generation_start,
                              generation_end=time.time()))  # one clock for both processes
     except BaseException:

@@ -76,7 +76,9 @@ class Args:
     dataset: Optional[str] = None
     """prompts with `query`, `reference_response` columns (hub, folder or file). Overrides the preset"""
     gold_reward_model_path: Optional[str] = None
-    """gold reward model, only for evaluation (shares the policy's tokenizer); `tiny` has its own"""
+    """gold reward model, only for evaluation; `tiny` has its own"""
+    reward_chat_template: bool = False
+    """give the reward models prompt and completion as a chat in their tokenizer's chat template"""
     tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
     """where `--model tiny` builds (once) and caches its toy models, tokenizer and dataset"""
 
@@ -91,6 +93,15 @@ class Args:
     """whiten the leave-one-out advantages over the batch (off in the paper's released code)"""
     recompute_old_logprobs: bool = False
     """pi_old from the learner before the update (the paper's code: ratio 1, staleness hidden)"""
+    is_correction: Literal["none", "truncate", "mask"] = "none"
+    """weight each loss term by w = pi_old / mu for the sampler (needs --recompute_old_logprobs):
+    min(w, is_cap) (`truncate`), or 0 where w is outside [is_cap_low, is_cap] (`mask`)"""
+    is_level: Literal["token", "sequence"] = "sequence"
+    """w per completion: the geometric mean of its token weights, or (`token`) their product"""
+    is_cap: float = 2.0
+    """upper cap on the importance weight w (truncate and mask)"""
+    is_cap_low: float = 0.0
+    """lower bound on w (mask)"""
     temperature: float = 0.7
     """sampling temperature; the learner divides its logits by it too, so its log-probs match"""
     num_samples: int = 2
@@ -182,7 +193,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     policy = plumbing.prepare_policy(policy.to(device), args.gradient_checkpointing)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
     ref_policy = ref_policy.to(device).eval().requires_grad_(False)
-    reward_models = plumbing.load_reward_models(args, dtype, device)
+    reward_models = plumbing.load_reward_models(args, tokenizer, train_data, dtype, device)
     learner = plumbing.shard_or_replicate(policy, [ref_policy, *reward_models.values()], args, device)
     optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.num_steps)
@@ -253,9 +264,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         logps_args = (episodes["prompts"], episodes["responses"], args.temperature,
                       args.per_device_train_batch_size * args.num_samples, pad_id, device, autocast)
         ref_logps = logprobs_in_chunks(ref_policy, *logps_args).sum(1)
-        old_logps = (logprobs_in_chunks(policy, *logps_args).sum(1) if args.recompute_old_logprobs
-                     else episodes["generator_logps"])  # the generator's: a step behind the learner
-        add_advantages(episodes, ref_logps, old_logps, args)  # the KL-penalised rewards, advantages
+        old_logprobs = (logprobs_in_chunks(policy, *logps_args) if args.recompute_old_logprobs
+                        else episodes["generator_logprobs"])  # vLLM's: a step behind the learner
+        add_advantages(episodes, ref_logps, old_logprobs, args)  # rewards, advantages, weights
 
         # 5. ALGO: N mini-batches x T epochs of RLOO steps (mini-batch n: n-th slice of episodes)
         for epoch in range(args.num_epochs):
@@ -306,10 +317,16 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
                       f"completion), got {args.num_samples}")
     if min(args.cliprange, args.kl_coef) < 0:
         plumbing.fail("--cliprange and --kl_coef must not be negative")
+    if args.is_correction != "none" and not args.recompute_old_logprobs:
+        plumbing.fail("--is_correction needs --recompute_old_logprobs: without it pi_old is the "
+                      "generator's mu, so w = pi_old / mu is 1 and there is nothing to correct")
+    if not 0 <= args.is_cap_low < args.is_cap:
+        plumbing.fail(f"--is_cap_low and --is_cap must satisfy 0 <= low < cap, got "
+                      f"{args.is_cap_low}, {args.is_cap}")
     plumbing.batch_sizes(args, world_size)
 
 
-# --- Tokens, log-probs and rewards ---------------------------------------------------------------
+# --- Tokens and log-probs -----------------------------------------------------------------------
 def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
     """Cut each completion after its first EOS (and at `length`); say which ones emitted EOS."""
     cut, has_eos = [], []
@@ -347,26 +364,26 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
     return torch.cat(logprobs)
 
 
-def get_reward(reward_model, inputs: dict, response_mask: torch.Tensor, has_eos: list[bool],
-               missing_eos_penalty: Optional[float]) -> torch.Tensor:
-    """The score at the last token of prompt + response; without EOS, the penalty (if not None)."""
-    hidden = getattr(reward_model, reward_model.base_model_prefix)(**inputs).last_hidden_state
-    last_index = inputs["input_ids"].shape[1] - response_mask.shape[1] + response_mask.sum(1) - 1
-    rows = torch.arange(len(hidden), device=hidden.device)
-    with torch.autocast(hidden.device.type, enabled=False):  # the float32 head (load_reward_model)
-        scores = reward_model.score(hidden[rows, last_index].float()).squeeze(-1)
+# --- The reward (to score completions your own way, replace this function: see README.md) ---------
+@torch.no_grad()
+def score_in_chunks(reward_model, prompts: list, responses: list, has_eos: list,
+                    missing_eos_penalty: Optional[float], chunk: int, pad_id: int, device):
+    """Each completion's score: the reward model's at the last token of prompt + completion (if it
+    has a tokenizer of its own: of their text, re-tokenised); without EOS, the penalty (or None)."""
+    if reward_model.retokenize is not None:  # (plumbing.reward_tokenizer: said at start-up)
+        prompts, responses, pad_id = reward_model.retokenize(prompts, responses, has_eos)
+    backbone, scores = getattr(reward_model, reward_model.base_model_prefix), []
+    for part in [slice(i, i + chunk) for i in range(0, len(prompts), chunk)]:
+        inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
+        hidden = backbone(**inputs).last_hidden_state
+        last = inputs["input_ids"].shape[1] - mask.shape[1] + mask.sum(1) - 1  # the last real token
+        rows = torch.arange(len(hidden), device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # the head in float32 (plumbing)
+            scores.append(reward_model.score(hidden[rows, last].float()).squeeze(-1).cpu())
+    scores = torch.cat(scores)
     if missing_eos_penalty is None:
         return scores
-    return torch.where(torch.tensor(has_eos, device=scores.device), scores, missing_eos_penalty)
-
-
-@torch.no_grad()
-def score_in_chunks(model, prompts: list, responses: list, has_eos: list,
-                    missing_eos_penalty: Optional[float], chunk: int, pad_id: int, device):
-    return torch.cat([
-        get_reward(model, *plumbing.collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id, device),
-                   has_eos[i: i + chunk], missing_eos_penalty).cpu()
-        for i in range(0, len(prompts), chunk)])
+    return torch.where(torch.tensor(has_eos), scores, missing_eos_penalty)
 
 
 # --- Proximal RLOO: KL-penalised rewards, leave-one-out advantages, the loss and the update ------
@@ -380,9 +397,13 @@ def make_episodes(batch: dict, prompts: list, my_prompts, reward_model, args: Ar
     scores = score_in_chunks(reward_model, [p for p in prompts for _ in range(K)], responses,
                              has_eos, args.missing_eos_penalty, args.per_device_train_batch_size * K,
                              pad_id, device)
-    generator_logps = torch.tensor([batch["logprobs"][i] for i in completions])
+    width = max(map(len, responses))
+    generator_logprobs = torch.tensor([batch["logprobs"][i][: len(r)] + [0.0] * (width - len(r))
+                                       for i, r in zip(completions, responses)])
     return dict(prompts=[p for p in prompts for _ in range(K)], responses=responses, scores=scores,
-                eos=torch.tensor(has_eos, dtype=torch.float), generator_logps=generator_logps)
+                eos=torch.tensor(has_eos, dtype=torch.float), generator_logprobs=generator_logprobs,
+                generator_logps=generator_logprobs.sum(1), response_mask=torch.tensor(
+                    [[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses]))
 
 
 def kl_penalised_rewards(scores, logps, ref_logps, kl_coef: float) -> tuple:
@@ -396,8 +417,10 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - (rewards.sum(1, keepdim=True) - rewards) / (rewards.shape[1] - 1)
 
 
-def add_advantages(episodes: dict, ref_logps, old_logps, args: Args) -> None:
-    """Add pi_old's log-probs, the KL-penalised rewards, the KLs and the advantages to episodes."""
+def add_advantages(episodes: dict, ref_logps, old_logprobs, args: Args) -> None:
+    """Add pi_old's log-probs, the KL-penalised rewards, the KLs, the advantages and the sampler's
+    importance weights to episodes."""
+    old_logps, mask = old_logprobs.sum(1), episodes["response_mask"]
     rewards, kl = kl_penalised_rewards(episodes["scores"], old_logps, ref_logps, args.kl_coef)
     advantages = rloo_advantages(rewards.view(-1, args.num_samples)).view(-1)
     sums = plumbing.reduce_sums({"n": len(advantages), "sum": advantages.sum().item(),
@@ -406,8 +429,49 @@ def add_advantages(episodes: dict, ref_logps, old_logps, args: Args) -> None:
     std = math.sqrt(max(sums["squares"] / sums["n"] - mean**2, 0.0))
     if args.whiten_advantages:  # over the round's completions on all ranks
         advantages = (advantages - mean) / (std + 1e-8)
+    # ALGO: the sampler's importance weight w = pi_old / mu of each completion
+    log_ratio = (old_logprobs - episodes["generator_logprobs"]) * mask  # per token
+    log_weights = log_ratio.sum(1)  # `token`: the product of the token weights
+    if args.is_level == "sequence":  # their geometric mean (a product grows with the length)
+        log_weights = log_weights / mask.sum(1)
+    is_factor, is_changed = importance_correction(log_weights.exp(), args)
     episodes.update(old_logps=old_logps, rewards=rewards, kl=kl, advantages=advantages,
-                    advantage_std=[std] * len(advantages))  # every step logs it
+                    advantage_std=[std] * len(advantages),  # every step logs it
+                    log_ratio=log_ratio, is_weights=log_weights.exp(), is_factor=is_factor,
+                    is_changed=is_changed)
+
+
+def importance_correction(weights: torch.Tensor, args: Args) -> tuple:
+    """The factor on each loss term for the sampler's weight w, a constant (no gradient flows
+    through it), and where it changed the term: min(w, is_cap) (truncate); 1 inside
+    [is_cap_low, is_cap] and 0 outside, the loss's denominator unchanged (mask); 1 (none)."""
+    outside = (weights > args.is_cap) | (weights < args.is_cap_low)
+    if args.is_correction == "truncate":
+        return weights.clamp(max=args.is_cap).detach(), weights.detach() > args.is_cap
+    if args.is_correction == "mask":
+        return (~outside).float(), outside
+    return torch.ones_like(weights), torch.zeros_like(outside)
+
+
+def offpolicy_stats(log_ratio, token_mask, weights, changed, term_mask, world_size: int) -> dict:
+    """What an async run shows of its off-policy data: the learner-sampler mismatch per token
+    |log pi_old - log mu| (mean, max), the k3 estimate of KL(mu || pi_old) = mean(w - log w - 1)
+    over tokens, and over the loss's terms the weights (min, mean, max), the share the correction
+    changed, and the effective sample size (sum w)^2 / (n sum w^2) as a share of n."""
+    terms, mismatch = term_mask > 0, log_ratio.abs() * token_mask
+    sums = plumbing.reduce_sums({
+        "tokens": token_mask.sum().item(), "terms": terms.sum().item(), "mismatch": mismatch.sum().item(),
+        "k3": ((log_ratio.exp() - log_ratio - 1) * token_mask).sum().item(),
+        "w": weights[terms].sum().item(), "w2": (weights[terms] ** 2).sum().item(),
+        "changed": changed[terms].sum().item()}, world_size)
+    return {"offpolicy/mismatch_mean": sums["mismatch"] / sums["tokens"],
+            "offpolicy/mismatch_max": plumbing.reduce_max(mismatch.max().item(), world_size),
+            "offpolicy/kl_k3": sums["k3"] / sums["tokens"],
+            "is/weight_min": -plumbing.reduce_max(-weights[terms].min().item(), world_size),
+            "is/weight_mean": sums["w"] / sums["terms"],
+            "is/weight_max": plumbing.reduce_max(weights[terms].max().item(), world_size),
+            "is/changed_fraction": sums["changed"] / sums["terms"],
+            "is/ess_fraction": sums["w"] ** 2 / (sums["terms"] * sums["w2"])}
 
 
 def rloo_loss(logps, old_logps, advantages, cliprange: float) -> tuple:
@@ -434,10 +498,10 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad
             logps = logps.sum(1)  # the sequence's log-prob
             losses, ratio, clipped = rloo_loss(logps, micro["old_logps"].to(device),
                                                micro["advantages"].to(device), args.cliprange)
+            losses = losses * micro["is_factor"].to(device)  # (1 without --is_correction)
             (losses.sum() * args.world_size / (args.batch_size * args.num_samples)).backward()
         outputs.append(torch.stack([losses, logps, ratio, clipped.float()]).detach().cpu())
-    if args.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
+    grad_norm = plumbing.clip_grad_norm(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -456,7 +520,13 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad
     stats["policy/ratio_max"] = plumbing.reduce_max(ratio.max().item(), args.world_size)
     stats["advantage/std"] = mini_batch["advantage_std"][0]  # the round's
     gap_variance = stats.pop("logps/generator_gap_sq") - stats["logps/generator_gap"] ** 2
-    return dict(stats, **{"logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))})
+    mask = mini_batch["response_mask"]
+    if args.recompute_old_logprobs:  # (without it pi_old is mu: nothing to show)
+        weights = mini_batch["is_weights"]
+        stats.update(offpolicy_stats(mini_batch["log_ratio"], mask, weights, mini_batch["is_changed"],
+                                     torch.ones_like(weights), args.world_size))
+    stats.update(plumbing.length_stats(mask.sum(1), 1 - mini_batch["eos"], args.world_size))
+    return {**stats, "grad/norm": grad_norm, "logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
@@ -487,8 +557,7 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
     if buffer is not None and buffer.is_cuda:
-        # copy_ only queues kernels on our stream; the generator reads the memory from another
-        # process, so the copies must be finished before the request that makes it read is sent.
+        # copy_ only queues kernels: finish them before a request makes another process read them
         torch.cuda.current_stream(buffer.device).synchronize()
 
 
@@ -534,7 +603,8 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
             results.put(dict({k: v for k, v in request.items() if k != "prompts"},
                              generation_version=loaded_version,
                              responses=[list(c.token_ids) for c in completions],
-                             logprobs=[c.cumulative_logprob for c in completions],
+                             logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)]
+                                       for c in completions],
                              weight_load_start=load_start, generation_start=generation_start,
                              generation_end=time.time()))  # one clock for both processes
     except BaseException:

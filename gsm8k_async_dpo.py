@@ -317,7 +317,7 @@ def resolve_gsm8k(args: Args):
                                        args.dataset_config)
 
 
-# --- Tokens, log-probs and rewards ---------------------------------------------------------------
+# --- Tokens and log-probs -----------------------------------------------------------------------
 def tokenize_prompts(tokenizer, questions: list[str], max_length: int) -> list[list[int]]:
     """Token ids per problem in the paper's format (plumbing.tokenize_prompts: after BOS where the
     tokenizer adds one, as rho-1b's SFT saw; long prompts keep their end, where 'Solution:' sits)."""
@@ -361,6 +361,7 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
     return torch.cat(logprobs)
 
 
+# --- The reward, a verifier (to score completions your own way, replace `correctness`) ----------
 def extract_answer(text: str) -> Optional[float]:
     """The number after the first "####" (GSM8k's answer format), as a number: `$1,000`, `1000` and
     `1000.00` are the same answer. None when there is none."""
@@ -395,7 +396,8 @@ def make_pairs(batch: dict, prompts: list, answers: list, my_prompts, tokenizer,
     generator_logps = torch.tensor([batch["logprobs"][i] for i in completions])
     return dict(prompts=prompts, chosen=[responses[i] for i in chosen],
                 rejected=[responses[i] for i in rejected], valid=valid.float(), scores=scores,
-                eos=torch.tensor(has_eos, dtype=torch.float).view(-1, K).sum(1),
+                eos=torch.tensor(has_eos, dtype=torch.float).view(-1, K),  # [prompt, k]
+                lengths=torch.tensor([len(r) for r in responses]).view(-1, K),
                 generator_chosen_logps=generator_logps[chosen],
                 generator_rejected_logps=generator_logps[rejected])
 
@@ -428,8 +430,7 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
                               micro["ref_rejected_logps"].to(device), args.beta)
             ((losses * micro["valid"].to(device)).sum() * args.world_size / num_valid).backward()
         outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
-    if args.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
+    grad_norm = plumbing.clip_grad_norm(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -451,7 +452,9 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_
     stats = {k: v / (num_valid if k.startswith(("loss", "logps")) else args.batch_size)
              for k, v in sums.items()}
     gap_variance = stats.pop("logps/generator_gap_sq") - stats["logps/generator_gap"] ** 2
-    return dict(stats, **{"logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))})
+    lengths = plumbing.length_stats(mini_batch["lengths"], 1 - mini_batch["eos"], args.world_size)
+    return {**stats, **lengths, "grad/norm": grad_norm,
+            "logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
@@ -482,8 +485,7 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
     if buffer is not None and buffer.is_cuda:
-        # copy_ only queues kernels on our stream; the generator reads the memory from another
-        # process, so the copies must be finished before the request that makes it read is sent.
+        # copy_ only queues kernels: finish them before a request makes another process read them
         torch.cuda.current_stream(buffer.device).synchronize()
 
 

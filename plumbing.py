@@ -2,6 +2,7 @@
 in order to understand asynchronous RLHF. The lesson (Args, the generator loop, the weight hand-off,
 the schedule, the reward, the loss, evaluation and the training loop) stays in each script."""
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -172,10 +173,16 @@ def special_ids(tokenizer) -> tuple[int, int]:
     return eos_id, eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
-def load_reward_models(args, dtype: torch.dtype, device: torch.device) -> dict:
-    models = {"proxy": load_reward_model("reward_model_path", args.reward_model_path, dtype, device)}
-    if args.gold_reward_model_path:
-        models["gold"] = load_reward_model("gold_reward_model_path", args.gold_reward_model_path, dtype, device)
+def load_reward_models(args, tokenizer, train_data, dtype: torch.dtype, device: torch.device) -> dict:
+    """The proxy (and gold) reward models, each with `retokenize`: None when it reads the policy's token
+    ids as they are, else the function that turns them into its own (reward_tokenizer, which tries the
+    first training prompts)."""
+    models, probe_texts = {}, train_data["query"][:16]
+    for name, flag in (("proxy", "reward_model_path"), ("gold", "gold_reward_model_path")):
+        if getattr(args, flag):
+            models[name] = load_reward_model(flag, getattr(args, flag), dtype, device)
+            models[name].retokenize = reward_tokenizer(flag, getattr(args, flag), models[name], tokenizer,
+                                                       probe_texts, args.reward_chat_template, args.rank)
     return models
 
 
@@ -188,7 +195,61 @@ def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.de
         fail(f"--{flag} {path}: not a reward model: the checkpoint has no trained `score` head (missing "
              f"{sorted(info['missing_keys'])[:4]}); pass a model saved as a sequence classifier")
     model.score.float()
+    model.retokenize = None  # reads the policy's token ids (load_reward_models may say otherwise)
     return model.to(device).eval().requires_grad_(False)
+
+
+def reward_tokenizer(flag: str, path: str, model, tokenizer, probe_texts: list[str], chat_template: bool,
+                     rank: int) -> Optional[Callable]:
+    """None if the reward model's tokenizer is the policy's (same vocabulary, same ids for the probe
+    texts) and no chat template is asked for; else `retokenize` bound to its tokenizer, tried on the
+    probe texts first so that a tokenizer that cannot encode them fails here, not mid-run."""
+    try:
+        own = AutoTokenizer.from_pretrained(path)
+    except Exception:  # saved without its tokenizer: the policy's is the only guess
+        own = tokenizer
+    same = own.get_vocab() == tokenizer.get_vocab()
+    same = same and own(probe_texts)["input_ids"] == tokenizer(probe_texts)["input_ids"]
+    if chat_template and own.chat_template is None:
+        fail(f"--reward_chat_template: the tokenizer of --{flag} {path} has no chat template")
+    if same and not chat_template:
+        if rank == 0:
+            print(f"--{flag}: the policy's tokenizer: scores the policy's token ids as they are")
+        return None
+    max_length = min(getattr(model.config, "max_position_embeddings", 2**20), own.model_max_length)
+    bound = functools.partial(retokenize, tokenizer, own, chat_template, max_length)
+    probe = tokenizer(probe_texts, add_special_tokens=False)["input_ids"]
+    try:
+        ids = bound(probe, [[] for _ in probe], [False] * len(probe))[0]
+    except Exception as e:
+        fail(f"--{flag} {path}: its tokenizer cannot encode the policy's text ({type(e).__name__}: {e})")
+    if own.unk_token_id is not None and any(own.unk_token_id in sequence for sequence in ids):
+        fail(f"--{flag} {path}: its tokenizer turns the policy's text into unknown tokens ({own.unk_token})")
+    if rank == 0:
+        print(f"--{flag}: its own tokenizer ({type(own).__name__}, {len(own)} tokens"
+              f"{', chat template' if chat_template else ''}): scores the completions' text, re-tokenised")
+    return bound
+
+
+def retokenize(tokenizer, own, chat_template: bool, max_length: int, prompts: list, responses: list,
+               has_eos: list) -> tuple[list, list, int]:
+    """The reward model's own ids for each prompt + completion, from the text the policy's ids decode
+    to: its BOS if it adds one, the text, and its EOS where the policy's completion ended with EOS (or
+    the prompt and completion as a user and an assistant turn of its chat template); cut from the left
+    to its maximum length, as prompts are. Returns them as prompts, empty responses, and its pad id."""
+    bos, eos, ids = bos_prefix(own), [own.eos_token_id] if own.eos_token_id is not None else [], []
+    pad_id = next((i for i in (own.pad_token_id, own.eos_token_id) if i is not None), 0)
+    plain = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)  # the text, as it is
+    for prompt, response, ended in zip(prompts, responses, has_eos):
+        question, text = tokenizer.decode(prompt, **plain), tokenizer.decode(prompt + response, **plain)
+        if chat_template:  # the template writes its own special tokens
+            turns = [dict(role="user", content=question), dict(role="assistant", content=text.removeprefix(question))]
+            text, head, tail = own.apply_chat_template(turns, tokenize=False), [], []
+        else:
+            head, tail = bos, eos * ended
+        body = own(text, add_special_tokens=False)["input_ids"]
+        ids.append(head + body[max(len(head) + len(body) + len(tail) - max_length, 0):] + tail)
+    return ids, [[] for _ in ids], pad_id
 
 
 def prepare_policy(policy: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
@@ -345,6 +406,26 @@ def reduce_max(value: float, world_size: int) -> float:
     values = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values.item()
+
+
+def clip_grad_norm(parameters, max_norm: Optional[float]) -> float:
+    """The gradients' norm over all ranks before clipping (to --max_grad_norm; None: no clipping)."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (FSDP2: a DTensor)
+
+
+def length_stats(lengths: torch.Tensor, cut: torch.Tensor, world_size: int) -> dict:
+    """A step's completion lengths over all ranks: mean, median, p95, max, and the share cut at
+    --response_length (a length that rises with the reward is the first sign of reward hacking)."""
+    both = torch.stack([lengths.flatten().float(), cut.flatten().float()])
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, both)
+        both = torch.cat(gathered, dim=1)
+    lengths, cut = both
+    return {"length/mean": lengths.mean().item(), "length/p50": lengths.quantile(0.5).item(),
+            "length/p95": lengths.quantile(0.95).item(), "length/max": lengths.max().item(),
+            "length/cut_fraction": cut.mean().item()}
 
 
 # --- Checkpoints: --save_every N and --resume_from DIR, an exact resume ----------------------------

@@ -516,6 +516,23 @@ def probe_agreement(model, tokenizer, rows: list[dict], prompts: list[list[int]]
     return {probe: sum(hit) / len(hit) for probe, hit in hits.items()}
 
 
+def build_other_tokenizer(texts: list[str]):
+    """A Llama-like tokenizer for this world's text, for policies and reward models that do not share one
+    (tests/test_reward_tokenizer.py, benchmarks/reward_tokenizer_cost.py): another vocabulary (a smaller byte-level
+    BPE, so words split differently), a BOS it adds to every text, and another EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+
+
 def build_untrained(cache_dir: str, hidden_size: int, num_layers: int) -> tuple[str, str, str]:
     """For the speed benchmarks: this world's tokenizer and data with an untrained policy of the given size and a
     reward model of random weights (its completions always run to the length cap, which keeps steps uniform).

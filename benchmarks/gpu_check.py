@@ -151,7 +151,8 @@ def dpo_mini_batch(prompts: list, chosen: list, rejected: list, valid: torch.Ten
     """One mini-batch as async_dpo.py's make_pairs builds it (scores and generator log-probs only feed its logs)."""
     M = len(prompts)
     return dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=valid, scores=torch.zeros(M, 2),
-                eos=torch.full((M,), 2.0), generator_chosen_logps=torch.zeros(M),
+                eos=torch.ones(M, 2), lengths=torch.tensor([[len(c), len(r)] for c, r in zip(chosen, rejected)]),
+                generator_chosen_logps=torch.zeros(M),
                 generator_rejected_logps=torch.zeros(M),
                 ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
 
@@ -166,6 +167,7 @@ def learner_step(args: Args, device: torch.device) -> None:
     ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
     reward_model = GPTNeoXForSequenceClassification(config).to(dtype)
     reward_model.score.float()
+    reward_model.retokenize = None  # it shares the policy's tokens (as plumbing.load_reward_models says)
     reward_model = reward_model.to(device).eval().requires_grad_(False)
     table = async_dpo.weight_table(policy)
     buffer = async_dpo.make_weight_buffer(table, dtype, device)
@@ -257,24 +259,31 @@ def precision_parity(args: Args, device: torch.device) -> None:
                                                     device, no_autocast)
     n, width = len(ppo_prompts), args.response_length
     logged_only = dict(kl=torch.zeros(n), scores=torch.zeros(n), eos=torch.zeros(n))  # (they feed the logs only)
+    log_ratio = learner_logprobs - sampler_logprobs  # log pi_old - log mu per token (mu: the sampler)
+    is_factor, is_changed = async_ppo.importance_correction(log_ratio.exp(), one_step_args(async_ppo, n))
     for name, old_logprobs in (("recomputed", learner_logprobs), ("sampler's", sampler_logprobs)):
         mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logprobs=old_logprobs,
                           advantages=torch.randn_like(values), values=values, returns=values,
                           response_mask=torch.ones(n, width), generator_gap=torch.zeros(n),
-                          explained_variance=[0.0] * n, **logged_only)
+                          explained_variance=[0.0] * n, learner_log_ratio=log_ratio, is_weights=log_ratio.exp(),
+                          is_factor=is_factor, is_changed=is_changed, **logged_only)
         stats = async_ppo.ppo_update(model, *optimizer_for(model), mini_batch, one_step_args(async_ppo, n), 0,
                                      device, autocast)
         print(f"(d) PPO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "
               f"{stats['policy/ratio_max']:.4f}, clip fraction {stats['policy/clipfrac']:.4f}", flush=True)
         if name == "recomputed":
             assert abs(stats["policy/ratio_mean"] - 1) < tolerance, "PPO's first ratio is not 1"
+    print(f"(d) PPO step 0, w = pi_old / mu per token (mu: the sampler in {dtype}): min {stats['is/weight_min']:.4f}, "
+          f"max {stats['is/weight_max']:.4f}, |log pi_old - log mu| mean {stats['offpolicy/mismatch_mean']:.2e}, "
+          f"max {stats['offpolicy/mismatch_max']:.2e}, k3 KL {stats['offpolicy/kl_k3']:.2e}", flush=True)
     # RLOO: sequence-level ratios (a sum over the response's tokens, so per-token differences add up)
     learner_seq = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M, 0, device,
                                                autocast).sum(1)
     for name, old_logps in (("recomputed", learner_seq), ("sampler's", bf16_logps)):
         mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logps=old_logps,
                           advantages=torch.randn(n), generator_logps=old_logps, rewards=torch.zeros(n),
-                          advantage_std=[1.0] * n, **logged_only)
+                          advantage_std=[1.0] * n, response_mask=torch.ones(n, width), is_factor=torch.ones(n),
+                          **logged_only)
         stats = async_rloo.rloo_update(policy, *optimizer_for(policy), mini_batch, one_step_args(async_rloo, n), 0,
                                        device, autocast)
         print(f"(d) RLOO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "

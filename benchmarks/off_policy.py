@@ -6,16 +6,18 @@ terms the staleness within a round is 0..N-1 steps; our scripts are asynchronous
 trained while this one was generated: N..2N-1 (the first round, generated with the SFT weights, is 0..N-1).
 
 The sweep runs async_dpo.py, async_ppo.py and async_rloo.py at each N with the same total episodes, seed and
-hyperparameters as each script's `--model tiny` demo (the demo's 1,920 episodes rounded to 2,048 so that every N
-divides them; no evaluation during training, the final one on the whole validation split), and for PPO and RLOO also
-with `--recompute_old_logprobs` (the paper code's pi_old) at the largest N. It prints a table of the final
-evaluations (mean ± standard error over seeds) and saves two plots:
+hyperparameters as each script's `--model tiny` demo but for the batch: 16 prompts a step instead of 32, so that
+N = 64 runs two rounds within the demo's budget (its 1,920 episodes rounded to 2,048 so that every N divides them);
+no evaluation during training, the final one on the whole validation split. For PPO and RLOO it adds, at N = 16
+and 64, the off-policy correction (`--recompute_old_logprobs --is_correction truncate`: the clip against the
+learner's pi_old, each term weighted by min(pi_old / mu, 2)), and at the largest N the recomputed pi_old alone (the
+paper code's). It prints a table of the final evaluations (mean ± standard error over seeds) and saves two plots:
 
   off_policy_frontier.png   gold win rate and gold mean score against perplexity, a marker per (algorithm, N)
   off_policy_by_n.png       final gold win rate and gold mean score against N, per algorithm
 
-    python benchmarks/off_policy.py            # 3 algorithms x N in {1, 2, 4, 8, 16} x 3 seeds: ~30 min on 2 cores
-    python benchmarks/off_policy.py --quick    # async_dpo.py at N in {1, 2}, one seed, short runs, for CI
+    python benchmarks/off_policy.py            # 3 algorithms x N in {1, ..., 64} x 3 seeds: ~1 hour on 2 cores
+    python benchmarks/off_policy.py --quick    # DPO at N in {1, 2}, corrected RLOO at N = 2: one seed, for CI
 """
 import json
 import math
@@ -41,14 +43,18 @@ FINAL_METRICS = {"gold win rate": "eval/gold_win_rate", "gold score": "eval/gold
 class Args:
     algorithms: list[Literal["dpo", "ppo", "rloo"]] = field(default_factory=lambda: ["dpo", "ppo", "rloo"])
     """which scripts to sweep (async_dpo.py, async_ppo.py, async_rloo.py)"""
-    n_values: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    n_values: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     """N: mini-batches generated with one set of weights (--num_mini_batches); each must divide the episodes"""
+    batch_size: int = 16
+    """prompts per optimizer step (the demos': 32; 16 gives N = 64 two rounds within the demos' budget)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds per (algorithm, N)"""
     total_episodes: int = 2048
-    """training prompts per run, the same at every N (the demos' 1,920 rounded to a multiple of 16 x 32)"""
+    """training prompts per run, the same at every N (the demos' 1,920 rounded to a multiple of 64 x 16)"""
     recompute_at_largest_n: bool = True
     """also run PPO and RLOO with --recompute_old_logprobs at the largest N"""
+    correction_n_values: list[int] = field(default_factory=lambda: [16, 64])
+    """N at which PPO and RLOO also run with --recompute_old_logprobs --is_correction truncate"""
     tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
     """the tiny world (built there if missing)"""
     plot_dir: str = HERE
@@ -56,16 +62,24 @@ class Args:
     runs_dir: Optional[str] = None
     """where each run's folder (metrics.jsonl, generator log) goes; default: a temporary folder, deleted after"""
     quick: bool = False
-    """async_dpo.py at N in {1, 2}, one seed, 256 episodes: checks that the benchmark works, measures nothing"""
+    """async_dpo.py at N in {1, 2} and corrected RLOO at N = 2, one seed, 256 episodes: checks that the
+    benchmark works, measures nothing"""
 
 
-def run(args: Args, algorithm: str, n: int, seed: int, recompute: bool, output_dir: str) -> dict:
+VARIANTS = {  # name: (flags, label in the table)
+    "plain": ([], ""),
+    "recompute": (["--recompute_old_logprobs"], " (recompute pi_old)"),
+    "corrected": (["--recompute_old_logprobs", "--is_correction", "truncate"], " (recompute + truncated IS)"),
+}
+
+
+def run(args: Args, algorithm: str, n: int, seed: int, variant: str, output_dir: str) -> dict:
     """One training run; returns its final evaluation, the staleness of each step and its wall-clock time."""
-    flags = ["--recompute_old_logprobs"] if recompute else []
     start = time.time()
     result = subprocess.run([sys.executable, os.path.join(REPO, SCRIPTS[algorithm]), "--model", "tiny", "--tiny_dir",
                              args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, "--num_mini_batches",
-                             str(n), "--total_episodes", str(args.total_episodes), "--eval_every", "0", *flags],
+                             str(n), "--total_episodes", str(args.total_episodes), "--batch_size",
+                             str(args.batch_size), "--eval_every", "0", *VARIANTS[variant][0]],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         sys.exit(f"{SCRIPTS[algorithm]} failed at N={n}, seed {seed}:\n{result.stderr[-3000:]}")
@@ -91,22 +105,26 @@ if __name__ == "__main__":
     if args.quick:
         args.algorithms, args.n_values, args.seeds, args.total_episodes = ["dpo"], [1, 2], args.seeds[:1], 256
     for n in args.n_values:
-        if n <= 0 or args.total_episodes % (32 * n):
+        if n <= 0 or args.total_episodes % (args.batch_size * n):
             sys.exit(f"--n_values: each N must be positive and divide --total_episodes {args.total_episodes} into "
-                     f"rounds of N x 32 prompts; {n} does not")
-    points = [(a, n, False) for a in args.algorithms for n in args.n_values]
+                     f"rounds of N x {args.batch_size} prompts; {n} does not")
+    points = [(a, n, "plain") for a in args.algorithms for n in args.n_values]
+    points += [(a, n, "corrected") for a in args.algorithms if a != "dpo" for n in args.correction_n_values
+               if n in args.n_values]
     if args.recompute_at_largest_n:
-        points += [(a, max(args.n_values), True) for a in args.algorithms if a != "dpo"]
+        points += [(a, max(args.n_values), "recompute") for a in args.algorithms if a != "dpo"]
+    if args.quick:  # and the corrected variant once
+        points = [(a, n, v) for a, n, v in points if v == "plain"] + [("rloo", 2, "corrected")]
 
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="off_policy_")
     runs, sweep_start = {}, time.time()
     try:
-        for index, (algorithm, n, recompute) in enumerate(points):
+        for index, (algorithm, n, variant) in enumerate(points):
             for seed in args.seeds:
-                name = f"{algorithm}{'_recompute' if recompute else ''}_n{n}_seed{seed}"
+                name = f"{algorithm}{'' if variant == 'plain' else '_' + variant}_n{n}_seed{seed}"
                 print(f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)", flush=True)
-                runs[algorithm, n, recompute, seed] = run(args, algorithm, n, seed, recompute,
-                                                          os.path.join(runs_dir, name))
+                output_dir = os.path.join(runs_dir, name)
+                runs[algorithm, n, variant, seed] = run(args, algorithm, n, seed, variant, output_dir)
     finally:
         if args.runs_dir is None:
             import shutil
@@ -123,14 +141,12 @@ if __name__ == "__main__":
     print("\n| algorithm | N | staleness | gold win rate | gold score | perplexity | proxy score | wall time |")
     print("|---|---|---|---|---|---|---|---|")
     table = {}
-    for algorithm, n, recompute in points:
-        seeds = [runs[algorithm, n, recompute, s] for s in args.seeds]
-        table[algorithm, n, recompute] = {name: [r["final"][key] for r in seeds]
-                                          for name, key in FINAL_METRICS.items()}
+    for algorithm, n, variant in points:
+        seeds = [runs[algorithm, n, variant, s] for s in args.seeds]
+        table[algorithm, n, variant] = {name: [r["final"][key] for r in seeds] for name, key in FINAL_METRICS.items()}
         staleness = sorted({s for r in seeds for s in r["staleness"]})
-        label = f"{algorithm}{' (recompute pi_old)' if recompute else ''}"
-        print(f"| {label} | {n} | {staleness[0]}..{staleness[-1]} | " + " | ".join(
-            fmt(values, 2 if name == "perplexity" else 3) for name, values in table[algorithm, n, recompute].items())
+        print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {staleness[0]}..{staleness[-1]} | " + " | ".join(
+            fmt(values, 2 if name == "perplexity" else 3) for name, values in table[algorithm, n, variant].items())
             + f" | {statistics.mean(r['seconds'] for r in seeds):.0f} s |")
     print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min")
 
@@ -140,21 +156,22 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     markers, colors = {"dpo": "o", "ppo": "s", "rloo": "^"}, plt.cm.viridis
+    fill = {"plain": "full", "recompute": "none", "corrected": "left"}
     n_color = {n: colors(i / max(len(args.n_values) - 1, 1)) for i, n in enumerate(sorted(args.n_values))}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric in zip(axes, ("gold win rate", "gold score")):
-        for (algorithm, n, recompute), values in table.items():
+        for (algorithm, n, variant), values in table.items():
             (x, x_err), (y, y_err) = mean_and_stderr(values["perplexity"]), mean_and_stderr(values[metric])
             ax.errorbar(x, y, xerr=x_err, yerr=y_err, marker=markers[algorithm], markersize=8, color=n_color[n],
-                        markerfacecolor="none" if recompute else n_color[n], ecolor="gray", linestyle="none")
+                        fillstyle=fill[variant], ecolor="gray", linestyle="none")
         ax.plot(sft["eval/perplexity"], sft[FINAL_METRICS[metric]], "k*", markersize=12)
         ax.set(xlabel="perplexity of the summaries under the SFT model", ylabel=f"final {metric}")
     handles = [plt.Line2D([], [], marker=m, color="gray", linestyle="none", label=a) for a, m in markers.items()
                if a in args.algorithms]
     handles += [plt.Line2D([], [], marker="o", color=c, linestyle="none", label=f"N={n}") for n, c in n_color.items()]
-    handles += [plt.Line2D([], [], marker="o", color="gray", markerfacecolor="none", linestyle="none",
-                           label="recompute pi_old"), plt.Line2D([], [], marker="*", color="k", linestyle="none",
-                                                                  label="SFT")]
+    handles += [plt.Line2D([], [], marker="o", color="gray", fillstyle=fill[v], linestyle="none",
+                           label=VARIANTS[v][1].strip(" ()")) for v in ("recompute", "corrected")]
+    handles += [plt.Line2D([], [], marker="*", color="k", linestyle="none", label="SFT")]
     axes[1].legend(handles=handles, fontsize=8, loc="best")
     fig.suptitle(f"Off-policy tolerance on the tiny world ({len(args.seeds)} seeds, mean ± s.e.)")
     fig.tight_layout()
@@ -163,13 +180,16 @@ if __name__ == "__main__":
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, ("gold win rate", "gold score")):
         for i, algorithm in enumerate(args.algorithms):
-            means = [mean_and_stderr(table[algorithm, n, False][metric]) for n in args.n_values]
+            means = [mean_and_stderr(table[algorithm, n, "plain"][metric]) for n in args.n_values]
             ax.errorbar(args.n_values, [m for m, _ in means], yerr=[e for _, e in means], marker=markers[algorithm],
                         color=f"C{i}", capsize=3, label=algorithm)
-            if (algorithm, max(args.n_values), True) in table:
-                y, y_err = mean_and_stderr(table[algorithm, max(args.n_values), True][metric])
-                ax.errorbar(max(args.n_values) * 1.08, y, yerr=y_err, marker=markers[algorithm], color=f"C{i}",
-                            markerfacecolor="none", capsize=3, label=f"{algorithm}, recompute pi_old")
+            for variant, shift in (("recompute", 1.1), ("corrected", 0.9)):
+                at = [n for n in args.n_values if (algorithm, n, variant) in table]
+                means = [mean_and_stderr(table[algorithm, n, variant][metric]) for n in at]
+                if at:
+                    ax.errorbar([n * shift for n in at], [m for m, _ in means], yerr=[e for _, e in means],
+                                marker=markers[algorithm], color=f"C{i}", fillstyle=fill[variant], capsize=3,
+                                linestyle="none", label=f"{algorithm}{VARIANTS[variant][1]}")
         ax.axhline(sft[FINAL_METRICS[metric]], color="k", linestyle=":", label="SFT")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="N (mini-batches per generation round)", ylabel=f"final {metric}")

@@ -89,22 +89,33 @@ def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
 
 
 def test_off_policy_quick(tiny_dir, tmp_path):
-    """Two N values for async_dpo.py: the table and both plots come out, every run logged its final gold win rate,
-    and N mini-batches per round give the staleness they should (0..N-1 in the first round, N..2N-1 after): N
-    mini-batches share one set of generating weights, so staleness climbs within a round."""
+    """Two N values for async_dpo.py and corrected RLOO at one: the table and both plots come out, every run logged
+    its final gold win rate, and N mini-batches per round give the staleness they should (0..N-1 in the first
+    round, N..2N-1 after): N mini-batches share one set of generating weights, so staleness climbs within a
+    round."""
     runs = tmp_path / "runs"
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "off_policy.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| dpo |")]
     assert [row.split(" | ")[1:3] for row in rows] == [["1", "0..1"], ["2", "0..3"]], result.stdout
+    assert "| rloo (recompute + truncated IS) | 2 | 0..3 |" in result.stdout  # the off-policy correction
+    corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
+    assert len(corrected) == 256 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
     for name in ("off_policy_frontier.png", "off_policy_by_n.png"):
         assert (tmp_path / name).stat().st_size > 1000
     for n in (1, 2):
         steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
         assert 0 <= evals[-1]["eval/gold_win_rate"] <= 1
-        assert len(steps) == 256 // 32
-        assert [r["staleness"] for r in steps] == ([0] + [1] * 7 if n == 1 else [0, 1, 2, 3, 2, 3, 2, 3])
+        assert len(steps) == 256 // 16  # (the sweep's batch: 16 prompts a step)
+        assert [r["staleness"] for r in steps] == ([0] + [1] * 15 if n == 1 else [0, 1] + [2, 3] * 7)
         for r in steps:
             position = (r["step"] - 1) % n  # the mini-batch's place in its round
             assert r["staleness"] == (position if r["round"] == 0 else n + position), r
+
+
+def test_reward_tokenizer_cost_prints_both_paths(tiny_dir):
+    result = run_script("--tiny_dir", tiny_dir, "--repeats", "2",
+                        script=os.path.join("benchmarks", "reward_tokenizer_cost.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "direct (the policy's ids)" in result.stdout and "re-tokenised / direct:" in result.stdout, result.stdout

@@ -25,6 +25,18 @@ def read_metrics(output_dir: str, step_metric: str = "loss/dpo",
     return [r for r in records if step_metric in r], [r for r in records if eval_metric in r]
 
 
+def assert_importance_weights_start_at_one(steps: list) -> None:
+    """--recompute_old_logprobs with an --is_correction (PPO, RLOO): the sampler's weight w = pi_old / mu is 1 at step
+    1 (the same weights, float32 on both sides) and departs from 1 only through staleness after it."""
+    first = steps[0]
+    assert abs(first["is/weight_min"] - 1) < 1e-5 and abs(first["is/weight_max"] - 1) < 1e-5
+    assert first["offpolicy/mismatch_max"] < 1e-4 and abs(first["offpolicy/kl_k3"]) < 1e-8
+    for r in steps[1:]:
+        assert r["offpolicy/mismatch_mean"] > 1e-4 and r["offpolicy/kl_k3"] > 0
+        assert r["is/weight_min"] < 1 < r["is/weight_max"] and 0 < r["is/ess_fraction"] <= 1
+        assert 0 <= r["is/changed_fraction"] <= 1
+
+
 def assert_win_rate_rises(first: dict, last: dict, name: str) -> None:
     """The evaluation's `eval/{name}_win_rate` rose by at least 3 (gold) or 2 (proxy) standard errors of the
     difference, from the standard errors the two evaluations log (binomial, from their own win rates and prompt

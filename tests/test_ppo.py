@@ -4,7 +4,13 @@ import os
 import pytest
 import torch
 from conftest import TORCHRUN_2, run_script
-from test_end_to_end import EVAL_METRICS, SHORT_RUN, assert_win_rate_rises, run_tiny
+from test_end_to_end import (
+    EVAL_METRICS,
+    SHORT_RUN,
+    assert_importance_weights_start_at_one,
+    assert_win_rate_rises,
+    run_tiny,
+)
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from async_ppo import PolicyAndValue, compute_gae, per_token_rewards, ppo_losses, token_entropy, token_logprobs, whiten
@@ -158,10 +164,11 @@ def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):
     """The paper code's pi_old, recomputed by the learner just before its update: the ratio is 1 at every step
     although the batch was sampled by weights a step behind (the generator gap says so)."""
     steps, _ = run_ppo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs",
-                       "--gradient_checkpointing", "True")
+                       "--gradient_checkpointing", "True", "--is_correction", "truncate")
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(abs(r["policy/ratio_mean"] - 1) < 1e-5 and r["policy/approx_kl"] < 1e-9 for r in steps)
     assert all(abs(r["logps/generator_gap"]) > 1e-4 for r in steps[1:])
+    assert_importance_weights_start_at_one(steps)  # (the truncated correction on top: w = 1 at step 1)
 
 
 @pytest.fixture(scope="module")

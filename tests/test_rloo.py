@@ -4,8 +4,16 @@ hand, then end to end with real vLLM on CPU."""
 import pytest
 import torch
 from conftest import TORCHRUN_2
-from test_end_to_end import EVAL_METRICS, SHORT_RUN, assert_win_rate_rises, run_tiny
+from test_end_to_end import (
+    EVAL_METRICS,
+    SHORT_RUN,
+    assert_importance_weights_start_at_one,
+    assert_win_rate_rises,
+    run_tiny,
+)
 
+import async_ppo
+import async_rloo
 from async_rloo import kl_penalised_rewards, rloo_advantages, rloo_loss
 
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "policy/clipfrac", "policy/approx_kl",
@@ -76,12 +84,61 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
     assert steps[-1]["objective/kl"] > steps[0]["objective/kl"]  # the policy moved away from the reference
 
 
+@pytest.mark.parametrize("script", [async_rloo, async_ppo])
+def test_importance_correction_at_and_beyond_the_caps(script):
+    """w = pi_old / mu against --is_cap 2 and --is_cap_low 0.1: truncation caps w (at the cap: kept as it is), the
+    mask drops what lies outside [0.1, 2] (the bounds kept), and neither lets a gradient flow into w."""
+    weights = torch.tensor([0.5, 1.0, 2.0, 2.5, 0.05], requires_grad=True)
+    expected = {"none": ([1.0] * 5, [False] * 5),
+                "truncate": ([0.5, 1.0, 2.0, 2.0, 0.05], [False] * 3 + [True, False]),
+                "mask": ([1.0, 1.0, 1.0, 0.0, 0.0], [False] * 3 + [True, True])}
+    for correction, (factor, changed) in expected.items():
+        args = script.Args(is_correction=correction, is_cap=2.0, is_cap_low=0.1)
+        got_factor, got_changed = script.importance_correction(weights, args)
+        assert got_factor.tolist() == pytest.approx(factor) and got_changed.tolist() == changed, correction
+        assert not got_factor.requires_grad
+
+
+def test_the_corrected_loss_has_the_gradient_worked_by_hand():
+    """At ratio 1 the clipped objective's gradient is -A per completion; truncated importance weights (1.5, and 3
+    capped at 2) scale it to -A w, and w itself receives none."""
+    logps = torch.tensor([-3.0, -4.0], requires_grad=True)
+    weights = torch.tensor([1.5, 3.0], requires_grad=True)
+    factor, _ = async_rloo.importance_correction(weights, async_rloo.Args(is_correction="truncate", is_cap=2.0))
+    losses, _, _ = rloo_loss(logps, logps.detach(), torch.tensor([1.0, -2.0]), cliprange=0.2)
+    (losses * factor).sum().backward()
+    assert logps.grad.tolist() == pytest.approx([-1.5, 4.0]) and weights.grad is None
+
+
+def test_sequence_weight_is_the_geometric_mean_of_the_token_weights():
+    """Two completions of 3 and 1 tokens: per-token log w = log pi_old - log mu; RLOO's `sequence` level takes the
+    mean over each completion's tokens (the geometric mean of w), `token` their sum (the product); PPO's `sequence`
+    level gives every token its completion's geometric mean."""
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    generator = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, 0.0, 0.0]])
+    old = generator + torch.tensor([[0.3, -0.6, 0.9], [0.2, 5.0, 5.0]]) * mask  # (padding carries nothing)
+    geometric, product = torch.tensor([0.2, 0.2]).exp(), torch.tensor([0.6, 0.2]).exp()
+    for level, expected in (("sequence", geometric), ("token", product)):
+        episodes = dict(scores=torch.zeros(2), generator_logprobs=generator, response_mask=mask)
+        async_rloo.add_advantages(episodes, torch.zeros(2), old, async_rloo.Args(is_level=level))
+        torch.testing.assert_close(episodes["is_weights"], expected)
+    episodes = dict(scores=torch.zeros(2), generator_logprobs=generator, response_mask=mask)
+    async_ppo.add_advantages(episodes, torch.zeros(2, 3), old, torch.zeros(2, 3),
+                             async_ppo.Args(is_level="sequence", recompute_old_logprobs=True))
+    torch.testing.assert_close(episodes["is_weights"] * mask, geometric[:, None] * mask)
+
+
 def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):
-    """The paper code's pi_old: the ratio is 1 at every step although the batch was sampled a step behind."""
-    steps, _ = run_rloo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs", "--whiten_advantages")
+    """The paper code's pi_old: the ratio is 1 at every step although the batch was sampled a step behind. With the
+    sampler's truncated importance weight w = pi_old / mu on top: w is 1 at step 1 (same weights, float32 on both
+    sides) and departs from 1 only through staleness after it."""
+    steps, _ = run_rloo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs", "--whiten_advantages",
+                        "--is_correction", "truncate")
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(abs(r["policy/ratio_mean"] - 1) < 1e-5 and r["policy/approx_kl"] < 1e-9 for r in steps)
     assert all(abs(r["logps/generator_gap"]) > 1e-4 for r in steps[1:])
+    assert_importance_weights_start_at_one(steps)
+
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from async_dpo import (
     dpo_loss,
     eval_record,
     evaluate,
-    get_reward,
     make_weight_buffer,
     response_logits,
+    score_in_chunks,
     select_pairs,
     token_logprobs,
     truncate_at_eos,
@@ -92,7 +92,7 @@ def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_di
     reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: a long title here\n\nTL;DR:", "TL;DR:"])
     eos = tokenizer.eos_token_id
-    scores = get_reward(reward_model, *collate(prompts, [[5, eos], [6, 7, 8]], eos, CPU), [True, False], -7.0)
+    scores = score_in_chunks(reward_model, prompts, [[5, eos], [6, 7, 8]], [True, False], -7.0, 2, eos, CPU)
     with torch.no_grad():  # the model's own score for the unpadded sequence, read at its last token
         hidden = reward_model.gpt_neox(torch.tensor([prompts[0] + [5, eos]])).last_hidden_state
         expected = reward_model.score(hidden[0, -1])
@@ -107,8 +107,8 @@ def test_reward_head_scores_in_float32_under_bfloat16(tiny_dir):
     assert reward_model.score.weight.dtype == torch.float32
     tokenizer, prompts = _encode(tiny_dir, [f"TITLE: post number {i}\n\nTL;DR:" for i in range(16)])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        scores = get_reward(reward_model, *collate(prompts, [[5, 6]] * 16, tokenizer.eos_token_id, CPU), [True] * 16,
-                            None)
+        scores = score_in_chunks(reward_model, prompts, [[5, 6]] * 16, [True] * 16, None, 16, tokenizer.eos_token_id,
+                                 CPU)
     assert scores.dtype == torch.float32
     assert (scores.bfloat16().float() != scores).any()  # more precision than bfloat16 has
 
@@ -149,7 +149,7 @@ def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perple
     references = {"proxy": torch.tensor([0.0, 0.0]), "gold": torch.tensor([0.0, 0.0])}
     sums = evaluate(responses, prompts, references, {"proxy": reward_model, "gold": reward_model}, sft, args, eos,
                     eos, CPU, torch.autocast("cpu", enabled=False))
-    raw = get_reward(reward_model, *collate(prompts, responses, eos, CPU), [True, False], None).detach()
+    raw = score_in_chunks(reward_model, prompts, responses, [True, False], None, 2, eos, CPU)
     assert sums["proxy_reward"] == pytest.approx(raw[0].item() - 3.0, abs=1e-5)
     assert sums["gold_reward"] == pytest.approx(raw.sum().item(), abs=1e-5)
     logps, counts = sequence_logprobs(sft, *collate(prompts, responses, eos, CPU), 1.0)
