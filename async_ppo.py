@@ -468,24 +468,26 @@ def add_advantages(episodes: dict, ref_logprobs, learner_logprobs, values, args:
     log_weights = (old_logprobs - generator_logprobs) * mask
     if args.is_level == "sequence":  # the geometric mean of the completion's token weights
         log_weights = log_weights.sum(1, keepdim=True) / mask.sum(1, keepdim=True) * mask
-    is_factor, is_changed = importance_correction(log_weights.exp(), args)
+    is_weights = log_weights.exp()
+    is_factor, is_changed = importance_correction(is_weights, args)
+    learner_log_ratio = (learner_logprobs - generator_logprobs) * mask  # (0 on padding)
     episodes.update(old_logprobs=old_logprobs, kl=kl, advantages=advantages, values=values,
-                    returns=returns, generator_gap=(learner_logprobs - generator_logprobs).sum(1),
+                    returns=returns, generator_gap=learner_log_ratio.sum(1),
                     explained_variance=[1 - error_var / max(returns_var, 1e-8)] * len(mask),
-                    learner_log_ratio=(learner_logprobs - generator_logprobs) * mask,
-                    is_weights=log_weights.exp(), is_factor=is_factor, is_changed=is_changed)
+                    learner_log_ratio=learner_log_ratio, is_weights=is_weights, is_factor=is_factor,
+                    is_changed=is_changed)
 
 
 def importance_correction(weights: torch.Tensor, args: Args) -> tuple:
     """The factor on each loss term for the sampler's weight w, a constant (no gradient flows
     through it), and where it changed the term: min(w, is_cap) (truncate); 1 inside
     [is_cap_low, is_cap] and 0 outside, the loss's denominator unchanged (mask); 1 (none)."""
-    outside = (weights > args.is_cap) | (weights < args.is_cap_low)
     if args.is_correction == "truncate":
         return weights.clamp(max=args.is_cap).detach(), weights.detach() > args.is_cap
     if args.is_correction == "mask":
+        outside = (weights > args.is_cap) | (weights < args.is_cap_low)
         return (~outside).float(), outside
-    return torch.ones_like(weights), torch.zeros_like(outside)
+    return torch.ones_like(weights), torch.zeros_like(weights, dtype=torch.bool)
 
 
 def offpolicy_stats(log_ratio, token_mask, weights, changed, term_mask, world_size: int) -> dict:

@@ -434,23 +434,23 @@ def add_advantages(episodes: dict, ref_logps, old_logprobs, args: Args) -> None:
     log_weights = log_ratio.sum(1)  # `token`: the product of the token weights
     if args.is_level == "sequence":  # their geometric mean (a product grows with the length)
         log_weights = log_weights / mask.sum(1)
-    is_factor, is_changed = importance_correction(log_weights.exp(), args)
+    is_weights = log_weights.exp()
+    is_factor, is_changed = importance_correction(is_weights, args)
     episodes.update(old_logps=old_logps, rewards=rewards, kl=kl, advantages=advantages,
                     advantage_std=[std] * len(advantages),  # every step logs it
-                    log_ratio=log_ratio, is_weights=log_weights.exp(), is_factor=is_factor,
-                    is_changed=is_changed)
+                    log_ratio=log_ratio, is_weights=is_weights, is_factor=is_factor, is_changed=is_changed)
 
 
 def importance_correction(weights: torch.Tensor, args: Args) -> tuple:
     """The factor on each loss term for the sampler's weight w, a constant (no gradient flows
     through it), and where it changed the term: min(w, is_cap) (truncate); 1 inside
     [is_cap_low, is_cap] and 0 outside, the loss's denominator unchanged (mask); 1 (none)."""
-    outside = (weights > args.is_cap) | (weights < args.is_cap_low)
     if args.is_correction == "truncate":
         return weights.clamp(max=args.is_cap).detach(), weights.detach() > args.is_cap
     if args.is_correction == "mask":
+        outside = (weights > args.is_cap) | (weights < args.is_cap_low)
         return (~outside).float(), outside
-    return torch.ones_like(weights), torch.zeros_like(outside)
+    return torch.ones_like(weights), torch.zeros_like(weights, dtype=torch.bool)
 
 
 def offpolicy_stats(log_ratio, token_mask, weights, changed, term_mask, world_size: int) -> dict:

@@ -241,8 +241,9 @@ def retokenize(tokenizer, own, chat_template: bool, max_length: int, prompts: li
     pad_id = next((i for i in (own.pad_token_id, own.eos_token_id) if i is not None), 0)
     plain = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)  # the text, as it is
     for prompt, response, ended in zip(prompts, responses, has_eos):
-        question, text = tokenizer.decode(prompt, **plain), tokenizer.decode(prompt + response, **plain)
+        text = tokenizer.decode(prompt + response, **plain)
         if chat_template:  # the template writes its own special tokens
+            question = tokenizer.decode(prompt, **plain)
             turns = [dict(role="user", content=question), dict(role="assistant", content=text.removeprefix(question))]
             text, head, tail = own.apply_chat_template(turns, tokenize=False), [], []
         else:
