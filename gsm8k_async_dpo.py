@@ -34,8 +34,8 @@ PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the format the SFT p
 # `--model tiny` swaps in defaults that train a locally built toy model on 2 CPU cores in minutes.
 TINY_DEFAULTS = dict(
     learning_rate=1e-4, temperature=1.0, response_length=32, max_prompt_length=128, total_episodes=3200,
-    batch_size=32, per_device_train_batch_size=16, eval_every=25, num_eval_prompts=200,
-    eval_response_length=32,
+    batch_size=32, per_device_train_batch_size=16, eval_every=25, num_eval_prompts=400,
+    eval_response_length=32, eval_splits=("test", "test_unseen_facts"),
 )
 
 
@@ -71,7 +71,7 @@ class Args:
     """problems with `question`, `answer` columns, `train`, `test` splits (hub or folder). Overrides"""
     dataset_config: Optional[str] = None
     """the dataset's configuration on the hub (`main` for openai/gsm8k)"""
-    tiny_dir: str = "~/.cache/async-rlhf/gsm8k-v1"
+    tiny_dir: str = "~/.cache/async-rlhf/gsm8k-v2"
     """where `--model tiny` builds (once) and caches its toy model, tokenizer and dataset"""
     sync: bool = False
     """sync_baseline.py's schedule: generate with the newest weights, then train on that batch"""
@@ -105,10 +105,12 @@ class Args:
     # Evaluation
     eval_every: int = 32
     """evaluate every this many optimizer steps (0: only before and after training)"""
+    eval_splits: tuple[str, ...] = ("test",)
+    """the dataset's evaluation splits; the first one's pass@1 is `eval/pass_at_1`, another's `eval/{split}/..`"""
     num_eval_prompts: int = 1319
-    """test problems per evaluation during training"""
+    """problems of each evaluation split per evaluation during training"""
     num_final_eval_prompts: Optional[int] = None
-    """test problems in the final evaluation (default: the whole test split, 1,319 on GSM8k)"""
+    """problems of each split in the final evaluation (default: all, GSM8k's whole test split: 1,319)"""
     eval_temperature: float = 0.0
     """sampling temperature for evaluation (0: greedy, the paper's pass@1)"""
     eval_response_length: int = 512
@@ -145,7 +147,7 @@ class Args:
 
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     compute_batch_sizes(args, args.world_size)
-    train_data, eval_data = resolve_gsm8k(args)
+    train_data, *eval_splits = resolve_gsm8k(args)
     device, generator_cores, metrics_file = plumbing.start_run(args, cleanup)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     shares_gpu0 = use_cuda and device.index == 0  # too few GPUs: learner rank 0 sits beside vLLM
@@ -179,7 +181,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     train_answers = train_data["answer"]  # the reference solutions, ending in "#### <answer>"
     prompt_rounds = plumbing.prompt_rounds(len(train_prompts), args)  # [round, prompt] indices
     my_prompts = plumbing.my_share(args)  # the positions in a round that this rank trains on
-    eval_set = evaluation_set(eval_data, tokenizer, args)
+    eval_set = evaluation_set(eval_splits, tokenizer, args)
     eval_prompts = eval_set["prompts"][: eval_set["num_prompts"]]  # during training
     run_evaluation = functools.partial(
         score_evaluation, eval_set=eval_set, ref_policy=ref_policy, tokenizer=tokenizer,
@@ -299,6 +301,8 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
         plumbing.fail(f"--num_samples must be at least 2 (a DPO pair needs two), got {args.num_samples}")
     if args.eval_temperature < 0:
         plumbing.fail(f"--eval_temperature must not be negative, got {args.eval_temperature}")
+    if not args.eval_splits:
+        plumbing.fail("--eval_splits: name at least one split")
     plumbing.batch_sizes(args, world_size, positive=("temperature",))
 
 
@@ -313,7 +317,7 @@ def resolve_gsm8k(args: Args):
     args.dataset = dataset  # on the hub, openai/gsm8k's configuration is `main`
     args.dataset_config = args.dataset_config or ("main" if dataset == "openai/gsm8k" else None)
     plumbing.check_model_path("sft_model_path", args.sft_model_path)
-    return plumbing.load_prompt_splits(dataset, args.seed, ("question", "answer"), ("train", "test"),
+    return plumbing.load_prompt_splits(dataset, args.seed, ("question", "answer"), ("train", *args.eval_splits),
                                        args.dataset_config)
 
 
@@ -582,36 +586,45 @@ def eval_request(version: int, prompts: list, args: Args, final: bool = False) -
                 seed=plumbing.sampling_seed(args.seed, "eval", version), requested=time.time())
 
 
-# --- Evaluation: greedy pass@1 on the test split ------------------------------------------------
-def evaluation_set(eval_data, tokenizer, args: Args) -> dict:
-    """The test problems (the first num_eval_prompts during training, all at the end), and this rank's
-    share (interleaved: a prefix of its final share) with its reference answers."""
-    eval_data = eval_data.select(range(min(args.num_final_eval_prompts or 10**9, len(eval_data))))
-    prompts = tokenize_prompts(tokenizer, eval_data["question"], args.max_prompt_length)
-    return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
-                my_prompts=prompts[args.rank:: args.world_size],
-                my_answers=eval_data["answer"][args.rank:: args.world_size])
+# --- Evaluation: greedy pass@1 on the test split(s) ---------------------------------------------
+def evaluation_set(eval_splits: list, tokenizer, args: Args) -> dict:
+    """The problems of every evaluation split (the first num_eval_prompts of each during training, all
+    at the end), ordered so that those of training's evaluations come first; and this rank's share
+    (interleaved: a prefix of its final share) with its answers and the split each one is from."""
+    final = [split.select(range(min(args.num_final_eval_prompts or 10**9, len(split)))) for split in eval_splits]
+    during = [min(args.num_eval_prompts, len(split)) for split in final]
+    order = [(s, i) for s, n in enumerate(during) for i in range(n)]
+    order += [(s, i) for s, split in enumerate(final) for i in range(during[s], len(split))]
+    prompts = [tokenize_prompts(tokenizer, split["question"], args.max_prompt_length) for split in final]
+    mine = order[args.rank:: args.world_size]
+    return dict(prompts=[prompts[s][i] for s, i in order], num_prompts=sum(during),
+                my_prompts=[prompts[s][i] for s, i in mine],
+                my_answers=[final[s]["answer"][i] for s, i in mine], my_splits=[s for s, _ in mine])
 
 
-def evaluate(responses: list, prompts: list, answers: list, ref_policy, tokenizer, args: Args,
-             pad_id: int, eos_id: int, device, autocast) -> dict:
-    """Sums over this rank's evaluation problems: correct answers (pass@1 of the greedy answers),
-    and the SFT model's log-probs of the answers (their perplexity)."""
+def evaluate(responses: list, prompts: list, answers: list, splits: list, ref_policy, tokenizer,
+             args: Args, pad_id: int, eos_id: int, device, autocast) -> dict:
+    """Sums over this rank's evaluation problems: correct answers and problems per split (pass@1 of
+    the greedy answers), and the SFT model's log-probs of the answers (their perplexity)."""
     responses, has_eos = truncate_at_eos(responses, args.eval_response_length, eos_id)
     logps = logprobs_in_chunks(ref_policy, prompts, responses, 1.0,
                                args.per_device_train_batch_size * 2, pad_id, device, autocast).sum(1)
-    return {"count": len(responses), "eos": sum(has_eos),
-            "correct": correctness(tokenizer, responses, answers).sum().item(),
-            "logp": logps.sum().item(), "tokens": sum(map(len, responses))}
+    correct, splits = correctness(tokenizer, responses, answers), torch.tensor(splits)
+    per_split = {f"{kind}{s}": value for s in range(len(args.eval_splits)) for kind, value in
+                 (("correct", correct[splits == s].sum().item()), ("count", (splits == s).sum().item()))}
+    return {"eos": sum(has_eos), "logp": logps.sum().item(), "tokens": sum(map(len, responses)), **per_split}
 
 
 def eval_record(sums: dict, step: int, args: Args) -> dict:
-    n = int(sums["count"])
-    pass_at_1 = sums["correct"] / n
-    return {"step": step, "episode": plumbing.episodes_at(step, args), "eval/num_prompts": n,
-            "eval/pass_at_1": pass_at_1, "eval/pass_at_1_stderr": math.sqrt(pass_at_1 * (1 - pass_at_1) / n),
-            "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)),
-            "eval/eos_fraction": sums["eos"] / n}
+    n = sum(sums[f"count{s}"] for s in range(len(args.eval_splits)))
+    record = {"step": step, "episode": plumbing.episodes_at(step, args), "eval/num_prompts": int(sums["count0"]),
+              "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)),
+              "eval/eos_fraction": sums["eos"] / n}
+    for s, split in enumerate(args.eval_splits):  # the first split's keys carry no split name
+        pass_at_1, prefix = sums[f"correct{s}"] / sums[f"count{s}"], "eval/" if s == 0 else f"eval/{split}/"
+        record[prefix + "pass_at_1"] = pass_at_1
+        record[prefix + "pass_at_1_stderr"] = math.sqrt(pass_at_1 * (1 - pass_at_1) / sums[f"count{s}"])
+    return record
 
 
 def score_evaluation(message: dict, training_start: Optional[float], eval_set: dict, ref_policy,
@@ -620,8 +633,9 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
     start, (eos_id, pad_id) = time.time(), plumbing.special_ids(tokenizer)
     responses = message["responses"][args.rank:: args.world_size]
     prompts = eval_set["my_prompts"][: len(responses)]
-    sums = evaluate(responses, prompts, eval_set["my_answers"][: len(responses)], ref_policy,
-                    tokenizer, args, pad_id, eos_id, device, autocast)
+    sums = evaluate(responses, prompts, eval_set["my_answers"][: len(responses)],
+                    eval_set["my_splits"][: len(responses)], ref_policy, tokenizer, args, pad_id, eos_id,
+                    device, autocast)
     sums = plumbing.reduce_sums(sums, args.world_size)
     record = eval_record(sums, message["generation_version"], args)
     record.update(plumbing.eval_times(message, start, training_start))
@@ -631,7 +645,8 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
                                   for p, r in zip(prompts, responses)]
         tqdm.write(f"eval @ step {record['step']} ({record['eval/num_prompts']} problems): pass@1 "
                    f"{record['eval/pass_at_1']:.3f} ± {record['eval/pass_at_1_stderr']:.3f}, "
-                   f"perplexity {record['eval/perplexity']:.3f}")
+                   f"perplexity {record['eval/perplexity']:.3f}" + "".join(
+                       f"; {split} {record[f'eval/{split}/pass_at_1']:.3f}" for split in args.eval_splits[1:]))
         for sample in record["eval/samples"]:
             tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
     plumbing.log(record, metrics_file, args.track)

@@ -157,7 +157,7 @@ def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_res
         if missing:
             fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
                  f"found {splits[split].column_names}")
-    return splits[names[0]], splits[names[1]]
+    return tuple(splits[name] for name in names)
 
 
 def load_tokenizer(path: str) -> tuple:

@@ -1,13 +1,15 @@
 """The paper's GSM8k comparison at CPU scale: the GSM8k miniature trained with asynchronous Online DPO and with the
-synchronous schedule (`gsm8k_async_dpo.py --sync`), same seed, steps and hyperparameters, over several seeds.
+synchronous schedule (`gsm8k_async_dpo.py --sync`), same seeds, steps and hyperparameters.
 
-Prints pass@1 before and after (with its standard error) and the training wall-clock time of each run, the speed-up
-of async over sync per seed, and saves a plot of pass@1 against wall-clock time.
+Prints, per schedule over the seeds, greedy pass@1 before and after on both evaluation splits (new problems over
+seen facts, and unseen facts), the mean gain with its standard error over seeds, the training wall-clock time and the
+speed-up of async over sync; saves the plot of pass@1 against wall-clock time (the paper's GSM8k figure).
 
-    python benchmarks/gsm8k_async_vs_sync.py            # 2 seeds x (async, sync): ~8 minutes on 2 cores
+    python benchmarks/gsm8k_async_vs_sync.py            # 3 seeds x (async, sync): ~25 minutes on 2 cores
     python benchmarks/gsm8k_async_vs_sync.py --quick    # one seed, short runs, for CI
 """
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -20,13 +22,14 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+SPLITS = {"eval/pass_at_1": "new problems, seen facts", "eval/test_unseen_facts/pass_at_1": "unseen facts"}
 
 
 @dataclass
 class Args:
-    seeds: list[int] = field(default_factory=lambda: [1, 2])
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds (each runs async and sync)"""
-    tiny_dir: str = "~/.cache/async-rlhf/gsm8k-v1"
+    tiny_dir: str = "~/.cache/async-rlhf/gsm8k-v2"
     """the GSM8k miniature (built there if missing)"""
     plot_path: str = os.path.join(HERE, "gsm8k_async_vs_sync.png")
     """where the plot of pass@1 against wall-clock time goes"""
@@ -47,8 +50,11 @@ def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
                 process_seconds=time.time() - start, staleness=sorted({r["staleness"] for r in steps}))
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+def mean_and_error(values: list[float], digits: int = 3) -> str:
+    """The mean over seeds ± its standard error (the spread over seeds / sqrt(seeds))."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values) / math.sqrt(len(values)):.{digits}f}"
 
 
 if __name__ == "__main__":
@@ -62,19 +68,29 @@ if __name__ == "__main__":
                 print(f"seed {seed}: {schedule} ...", flush=True)
                 runs[schedule, seed] = run(args, seed, schedule == "sync", os.path.join(tmp, f"{schedule}{seed}"))
 
-    print("\n| schedule | seed | pass@1 before | pass@1 after | training time | staleness |")
-    print("|---|---|---|---|---|---|")
+    print("\nPer run (± the binomial standard error of one evaluation):")
+    print("| schedule | seed | split | pass@1 before | pass@1 after | training time | staleness |")
+    print("|---|---|---|---|---|---|---|")
     for (schedule, seed), r in runs.items():
         first, last = r["evals"][0], r["evals"][-1]
-        print(f"| {schedule} | {seed} | {first['eval/pass_at_1']:.3f} ± {first['eval/pass_at_1_stderr']:.3f} | "
-              f"{last['eval/pass_at_1']:.3f} ± {last['eval/pass_at_1_stderr']:.3f} | {r['train_seconds']:.1f} s | "
-              f"{r['staleness']} |")
+        for key, split in SPLITS.items():
+            print(f"| {schedule} | {seed} | {split} | {first[key]:.3f} ± {first[key + '_stderr']:.3f} | "
+                  f"{last[key]:.3f} ± {last[key + '_stderr']:.3f} | {r['train_seconds']:.1f} s | {r['staleness']} |")
+    print(f"\nOver {len(args.seeds)} seeds (mean ± standard error over seeds):")
+    print("| schedule | split | pass@1 before | pass@1 after | gain | gain / its standard error | training time |")
+    print("|---|---|---|---|---|---|---|")
     for schedule in ("async", "sync"):
-        after = [runs[schedule, s]["evals"][-1]["eval/pass_at_1"] for s in args.seeds]
-        seconds = [runs[schedule, s]["train_seconds"] for s in args.seeds]
-        print(f"{schedule}: pass@1 after {spread(after)}, training time {spread(seconds)} s (mean ± std over seeds)")
+        for key, split in SPLITS.items():
+            before = [runs[schedule, s]["evals"][0][key] for s in args.seeds]
+            after = [runs[schedule, s]["evals"][-1][key] for s in args.seeds]
+            gains = [a - b for a, b in zip(after, before)]
+            ratio = (statistics.mean(gains) / (statistics.stdev(gains) / math.sqrt(len(gains)))
+                     if len(gains) > 1 and statistics.stdev(gains) > 0 else float("nan"))
+            seconds = [runs[schedule, s]["train_seconds"] for s in args.seeds]
+            print(f"| {schedule} | {split} | {mean_and_error(before)} | {mean_and_error(after)} | "
+                  f"{mean_and_error(gains)} | {ratio:.1f} | {mean_and_error(seconds, 1)} s |")
     speedups = [runs["sync", s]["train_seconds"] / runs["async", s]["train_seconds"] for s in args.seeds]
-    print(f"speed-up of async over sync (sync time / async time): {spread(speedups)}; per seed "
+    print(f"\nspeed-up of async over sync (sync time / async time): {mean_and_error(speedups, 2)}; per seed "
           + ", ".join(f"{x:.2f}" for x in speedups) + " (the paper: 218 / 129 min = 1.69)")
 
     import matplotlib
@@ -82,14 +98,17 @@ if __name__ == "__main__":
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for (schedule, seed), r in runs.items():
-        ax.plot([e["time/elapsed"] for e in r["evals"]], [e["eval/pass_at_1"] for e in r["evals"]],
-                "-o" if schedule == "async" else "--s", color=f"C{args.seeds.index(seed)}",
-                label=f"{schedule}, seed {seed}")
-    ax.set(xlabel="wall-clock seconds since training began", ylabel="greedy pass@1 (test split)",
-           title="GSM8k miniature: async Online DPO against sync")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (key, split) in zip(axes, SPLITS.items()):
+        for (schedule, seed), r in runs.items():
+            ax.plot([e["time/elapsed"] for e in r["evals"]], [e[key] for e in r["evals"]],
+                    "-o" if schedule == "async" else "--s", color="C0" if schedule == "async" else "C1",
+                    alpha=0.8, markersize=4, label=f"{schedule}, seed {seed}")
+        ax.set(xlabel="wall-clock seconds since training began", title=f"test split: {split}", ylim=(0.0, 1.0))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("greedy pass@1 (error of one evaluation: ± 0.025)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("GSM8k miniature: asynchronous Online DPO against synchronous")
     fig.tight_layout()
     fig.savefig(args.plot_path, dpi=90)
     print(f"plot saved to {args.plot_path}")

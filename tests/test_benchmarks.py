@@ -85,6 +85,7 @@ def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| async | 1 |" in result.stdout and "| sync | 1 |" in result.stdout and "speed-up" in result.stdout
     assert "| [0, 1] |" in result.stdout and "| [0] |" in result.stdout  # the staleness each schedule produced
+    assert "| async | 1 | unseen facts |" in result.stdout  # both evaluation splits
     assert plot.stat().st_size > 1000
 
 
