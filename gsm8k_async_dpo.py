@@ -307,17 +307,15 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
 
 
 def resolve_gsm8k(args: Args):
-    """Fill in and check the preset's model and data (`tiny`: the local miniature, built if a run
-    needs it); return the train and test problems."""
+    """Fill in and check the preset's model and data (`tiny`: the miniature); return the splits."""
     if args.model == "tiny" and None in (args.sft_model_path, args.dataset):
         sft, data = tiny_world.build_gsm8k(args.tiny_dir)
     else:
         sft, data = PRESETS.get(args.model, (None, None))
-    args.sft_model_path, dataset = args.sft_model_path or sft, args.dataset or data
-    args.dataset = dataset  # on the hub, openai/gsm8k's configuration is `main`
-    args.dataset_config = args.dataset_config or ("main" if dataset == "openai/gsm8k" else None)
+    args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
+    args.dataset_config = args.dataset_config or ("main" if args.dataset == "openai/gsm8k" else None)  # (on the hub)
     plumbing.check_model_path("sft_model_path", args.sft_model_path)
-    return plumbing.load_prompt_splits(dataset, args.seed, ("question", "answer"), ("train", *args.eval_splits),
+    return plumbing.load_prompt_splits(args.dataset, args.seed, ("question", "answer"), ("train", *args.eval_splits),
                                        args.dataset_config)
 
 
@@ -588,18 +586,16 @@ def eval_request(version: int, prompts: list, args: Args, final: bool = False) -
 
 # --- Evaluation: greedy pass@1 on the test split(s) ---------------------------------------------
 def evaluation_set(eval_splits: list, tokenizer, args: Args) -> dict:
-    """The problems of every evaluation split (the first num_eval_prompts of each during training, all
-    at the end), ordered so that those of training's evaluations come first; and this rank's share
-    (interleaved: a prefix of its final share) with its answers and the split each one is from."""
+    """The splits' problems (num_eval_prompts of each during training, all at the end: those come first),
+    this rank's share (interleaved: a prefix of its final share), its answers and their split's index."""
     final = [split.select(range(min(args.num_final_eval_prompts or 10**9, len(split)))) for split in eval_splits]
     during = [min(args.num_eval_prompts, len(split)) for split in final]
-    order = [(s, i) for s, n in enumerate(during) for i in range(n)]
-    order += [(s, i) for s, split in enumerate(final) for i in range(during[s], len(split))]
+    order = sorted((i >= during[s], s, i) for s, split in enumerate(final) for i in range(len(split)))
     prompts = [tokenize_prompts(tokenizer, split["question"], args.max_prompt_length) for split in final]
-    mine = order[args.rank:: args.world_size]
-    return dict(prompts=[prompts[s][i] for s, i in order], num_prompts=sum(during),
-                my_prompts=[prompts[s][i] for s, i in mine],
-                my_answers=[final[s]["answer"][i] for s, i in mine], my_splits=[s for s, _ in mine])
+    answers, mine = [split["answer"] for split in final], order[args.rank:: args.world_size]
+    return dict(prompts=[prompts[s][i] for _, s, i in order], num_prompts=sum(during),
+                my_prompts=[prompts[s][i] for _, s, i in mine],
+                my_answers=[answers[s][i] for _, s, i in mine], my_splits=[s for _, s, _ in mine])
 
 
 def evaluate(responses: list, prompts: list, answers: list, splits: list, ref_policy, tokenizer,
@@ -616,14 +612,14 @@ def evaluate(responses: list, prompts: list, answers: list, splits: list, ref_po
 
 
 def eval_record(sums: dict, step: int, args: Args) -> dict:
-    n = sum(sums[f"count{s}"] for s in range(len(args.eval_splits)))
-    record = {"step": step, "episode": plumbing.episodes_at(step, args), "eval/num_prompts": int(sums["count0"]),
+    n = [sums[f"count{s}"] for s in range(len(args.eval_splits))]
+    record = {"step": step, "episode": plumbing.episodes_at(step, args), "eval/num_prompts": int(n[0]),
               "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)),
-              "eval/eos_fraction": sums["eos"] / n}
+              "eval/eos_fraction": sums["eos"] / sum(n)}
     for s, split in enumerate(args.eval_splits):  # the first split's keys carry no split name
-        pass_at_1, prefix = sums[f"correct{s}"] / sums[f"count{s}"], "eval/" if s == 0 else f"eval/{split}/"
+        prefix, pass_at_1 = "eval/" if s == 0 else f"eval/{split}/", sums[f"correct{s}"] / n[s]
         record[prefix + "pass_at_1"] = pass_at_1
-        record[prefix + "pass_at_1_stderr"] = math.sqrt(pass_at_1 * (1 - pass_at_1) / sums[f"count{s}"])
+        record[prefix + "pass_at_1_stderr"] = math.sqrt(pass_at_1 * (1 - pass_at_1) / n[s])
     return record
 
 

@@ -26,6 +26,17 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(first)))
 
 
+def start_as_a_foreground_job(script: str, *flags: str) -> subprocess.Popen:
+    """Start a script as a terminal starts a foreground job: in a process group of its own (a test signals the whole
+    group, as Ctrl-C does) and with SIGINT's default action. A shell sets SIGINT to be ignored for what it starts in
+    the background, every child inherits that, and Python then never raises KeyboardInterrupt: so the Ctrl-C tests
+    reset it (then exec the script: the same process) and hold however the suite itself was started."""
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    command = [sys.executable, "-c", reset, sys.executable, os.path.join(REPO, script), *flags]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """The tiny CPU configuration's models, tokenizer and dataset, built once per test session (or, for quicker

@@ -5,19 +5,17 @@ after the generator dies or Ctrl-C, and the first optimizer step comes about 30 
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
-from conftest import REPO, run_script
+from conftest import run_script, start_as_a_foreground_job
 
 STOPS_WITHIN = 30  # seconds from a dead generator or Ctrl-C to the learner's exit (about 4 s on 2 idle cores)
 
 
 def start(tiny_dir: str, out: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "async_dpo.py"), "--model", "tiny", "--tiny_dir",
-                             tiny_dir, "--output_dir", out, *flags], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return start_as_a_foreground_job("async_dpo.py", "--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", out,
+                                     *flags)
 
 
 def wait_for_training(process: subprocess.Popen, out: str, timeout: float = 600) -> list:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, start_as_a_foreground_job
 from test_failures import assert_all_gone, generator_of
 
 # A learner and a busy generator that never reads: the learner's queue feeder thread blocks on the full pipe.
@@ -59,11 +59,9 @@ def long_prompts(tiny_dir, tmp_path_factory) -> str:
 
 
 def start_long_run(tiny_dir: str, dataset: str, out: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "async_dpo.py"), "--model", "tiny", "--tiny_dir",
-                             tiny_dir, "--dataset", dataset, "--output_dir", out, "--max_prompt_length", "400",
-                             "--eval_every", "1", "--num_eval_prompts", "256", "--num_final_eval_prompts", "256",
-                             *flags], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return start_as_a_foreground_job("async_dpo.py", "--model", "tiny", "--tiny_dir", tiny_dir, "--dataset", dataset,
+                                     "--output_dir", out, "--max_prompt_length", "400", "--eval_every", "1",
+                                     "--num_eval_prompts", "256", "--num_final_eval_prompts", "256", *flags)
 
 
 def steps_logged(out: str) -> int:
