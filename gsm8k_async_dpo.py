@@ -106,11 +106,11 @@ class Args:
     eval_every: int = 32
     """evaluate every this many optimizer steps (0: only before and after training)"""
     eval_splits: tuple[str, ...] = ("test",)
-    """the dataset's evaluation splits; the first one's pass@1 is `eval/pass_at_1`, another's `eval/{split}/..`"""
+    """evaluation splits: the first logs `eval/pass_at_1`, another `eval/{split}/pass_at_1`"""
     num_eval_prompts: int = 1319
     """problems of each evaluation split per evaluation during training"""
     num_final_eval_prompts: Optional[int] = None
-    """problems of each split in the final evaluation (default: all, GSM8k's whole test split: 1,319)"""
+    """problems of each split in the final evaluation (default: all; GSM8k's test: 1,319)"""
     eval_temperature: float = 0.0
     """sampling temperature for evaluation (0: greedy, the paper's pass@1)"""
     eval_response_length: int = 512
@@ -308,15 +308,13 @@ def compute_batch_sizes(args: Args, world_size: int) -> None:
 
 def resolve_gsm8k(args: Args):
     """Fill in and check the preset's model and data (`tiny`: the miniature); return the splits."""
-    if args.model == "tiny" and None in (args.sft_model_path, args.dataset):
-        sft, data = tiny_world.build_gsm8k(args.tiny_dir)
-    else:
-        sft, data = PRESETS.get(args.model, (None, None))
+    tiny = args.model == "tiny" and None in (args.sft_model_path, args.dataset)
+    sft, data = tiny_world.build_gsm8k(args.tiny_dir) if tiny else PRESETS.get(args.model, (None, None))
     args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
-    args.dataset_config = args.dataset_config or ("main" if args.dataset == "openai/gsm8k" else None)  # (on the hub)
+    args.dataset_config = args.dataset_config or {"openai/gsm8k": "main"}.get(args.dataset)
     plumbing.check_model_path("sft_model_path", args.sft_model_path)
-    return plumbing.load_prompt_splits(args.dataset, args.seed, ("question", "answer"), ("train", *args.eval_splits),
-                                       args.dataset_config)
+    return plumbing.load_prompt_splits(args.dataset, args.seed, ("question", "answer"),
+                                       ("train", *args.eval_splits), args.dataset_config)
 
 
 # --- Tokens and log-probs -----------------------------------------------------------------------
@@ -586,13 +584,13 @@ def eval_request(version: int, prompts: list, args: Args, final: bool = False) -
 
 # --- Evaluation: greedy pass@1 on the test split(s) ---------------------------------------------
 def evaluation_set(eval_splits: list, tokenizer, args: Args) -> dict:
-    """The splits' problems (num_eval_prompts of each during training, all at the end: those come first),
-    this rank's share (interleaved: a prefix of its final share), its answers and their split's index."""
-    final = [split.select(range(min(args.num_final_eval_prompts or 10**9, len(split)))) for split in eval_splits]
-    during = [min(args.num_eval_prompts, len(split)) for split in final]
-    order = sorted((i >= during[s], s, i) for s, split in enumerate(final) for i in range(len(split)))
-    prompts = [tokenize_prompts(tokenizer, split["question"], args.max_prompt_length) for split in final]
-    answers, mine = [split["answer"] for split in final], order[args.rank:: args.world_size]
+    """The splits' problems (num_eval_prompts of each during training, all at the end: those first),
+    this rank's share (a prefix of its final share), its answers and the index of their split."""
+    final = [d.take(min(args.num_final_eval_prompts or len(d), len(d))) for d in eval_splits]
+    during = [min(args.num_eval_prompts, len(d)) for d in final]
+    order = sorted((i >= during[s], s, i) for s, d in enumerate(final) for i in range(len(d)))
+    prompts = [tokenize_prompts(tokenizer, d["question"], args.max_prompt_length) for d in final]
+    answers, mine = [d["answer"] for d in final], order[args.rank:: args.world_size]
     return dict(prompts=[prompts[s][i] for _, s, i in order], num_prompts=sum(during),
                 my_prompts=[prompts[s][i] for _, s, i in mine],
                 my_answers=[answers[s][i] for _, s, i in mine], my_splits=[s for _, s, _ in mine])
@@ -606,16 +604,18 @@ def evaluate(responses: list, prompts: list, answers: list, splits: list, ref_po
     logps = logprobs_in_chunks(ref_policy, prompts, responses, 1.0,
                                args.per_device_train_batch_size * 2, pad_id, device, autocast).sum(1)
     correct, splits = correctness(tokenizer, responses, answers), torch.tensor(splits)
-    per_split = {f"{kind}{s}": value for s in range(len(args.eval_splits)) for kind, value in
-                 (("correct", correct[splits == s].sum().item()), ("count", (splits == s).sum().item()))}
-    return {"eos": sum(has_eos), "logp": logps.sum().item(), "tokens": sum(map(len, responses)), **per_split}
+    sums = {"eos": sum(has_eos), "logp": logps.sum().item(), "tokens": sum(map(len, responses))}
+    for s in range(len(args.eval_splits)):  # per split: its correct answers and its problems
+        in_split = splits == s
+        sums[f"correct{s}"], sums[f"count{s}"] = correct[in_split].sum().item(), in_split.sum().item()
+    return sums
 
 
 def eval_record(sums: dict, step: int, args: Args) -> dict:
     n = [sums[f"count{s}"] for s in range(len(args.eval_splits))]
-    record = {"step": step, "episode": plumbing.episodes_at(step, args), "eval/num_prompts": int(n[0]),
-              "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)),
-              "eval/eos_fraction": sums["eos"] / sum(n)}
+    record = {"step": step, "episode": plumbing.episodes_at(step, args),
+              "eval/num_prompts": int(n[0]), "eval/eos_fraction": sums["eos"] / sum(n),
+              "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1))}
     for s, split in enumerate(args.eval_splits):  # the first split's keys carry no split name
         prefix, pass_at_1 = "eval/" if s == 0 else f"eval/{split}/", sums[f"correct{s}"] / n[s]
         record[prefix + "pass_at_1"] = pass_at_1
@@ -628,10 +628,10 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
     """Grade an evaluation's answers on every rank, then print and log it. Returns seconds."""
     start, (eos_id, pad_id) = time.time(), plumbing.special_ids(tokenizer)
     responses = message["responses"][args.rank:: args.world_size]
-    prompts = eval_set["my_prompts"][: len(responses)]
-    sums = evaluate(responses, prompts, eval_set["my_answers"][: len(responses)],
-                    eval_set["my_splits"][: len(responses)], ref_policy, tokenizer, args, pad_id, eos_id,
-                    device, autocast)
+    mine = slice(0, len(responses))  # this rank's share of the problems evaluated
+    prompts = eval_set["my_prompts"][mine]
+    sums = evaluate(responses, prompts, eval_set["my_answers"][mine], eval_set["my_splits"][mine],
+                    ref_policy, tokenizer, args, pad_id, eos_id, device, autocast)
     sums = plumbing.reduce_sums(sums, args.world_size)
     record = eval_record(sums, message["generation_version"], args)
     record.update(plumbing.eval_times(message, start, training_start))
@@ -639,10 +639,10 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
         responses = truncate_at_eos(responses[:3], args.eval_response_length, eos_id)[0]
         record["eval/samples"] = [dict(prompt=tokenizer.decode(p)[-200:], response=tokenizer.decode(r))
                                   for p, r in zip(prompts, responses)]
+        others = "".join(f"; {s} {record[f'eval/{s}/pass_at_1']:.3f}" for s in args.eval_splits[1:])
         tqdm.write(f"eval @ step {record['step']} ({record['eval/num_prompts']} problems): pass@1 "
                    f"{record['eval/pass_at_1']:.3f} ± {record['eval/pass_at_1_stderr']:.3f}, "
-                   f"perplexity {record['eval/perplexity']:.3f}" + "".join(
-                       f"; {split} {record[f'eval/{split}/pass_at_1']:.3f}" for split in args.eval_splits[1:]))
+                   f"perplexity {record['eval/perplexity']:.3f}{others}")
         for sample in record["eval/samples"]:
             tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
     plumbing.log(record, metrics_file, args.track)
