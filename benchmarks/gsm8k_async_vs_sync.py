@@ -50,11 +50,15 @@ def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
                 process_seconds=time.time() - start, staleness=sorted({r["staleness"] for r in steps}))
 
 
+def standard_error(values: list[float]) -> float:
+    """The standard error of the mean over seeds: the spread over seeds / sqrt(seeds)."""
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
 def mean_and_error(values: list[float], digits: int = 3) -> str:
-    """The mean over seeds ± its standard error (the spread over seeds / sqrt(seeds))."""
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values) / math.sqrt(len(values)):.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {standard_error(values):.{digits}f}"
 
 
 if __name__ == "__main__":
@@ -80,13 +84,13 @@ if __name__ == "__main__":
     print("| schedule | split | pass@1 before | pass@1 after | gain | gain / its standard error | training time |")
     print("|---|---|---|---|---|---|---|")
     for schedule in ("async", "sync"):
+        seconds = [runs[schedule, s]["train_seconds"] for s in args.seeds]
         for key, split in SPLITS.items():
             before = [runs[schedule, s]["evals"][0][key] for s in args.seeds]
             after = [runs[schedule, s]["evals"][-1][key] for s in args.seeds]
             gains = [a - b for a, b in zip(after, before)]
-            ratio = (statistics.mean(gains) / (statistics.stdev(gains) / math.sqrt(len(gains)))
+            ratio = (statistics.mean(gains) / standard_error(gains)
                      if len(gains) > 1 and statistics.stdev(gains) > 0 else float("nan"))
-            seconds = [runs[schedule, s]["train_seconds"] for s in args.seeds]
             print(f"| {schedule} | {split} | {mean_and_error(before)} | {mean_and_error(after)} | "
                   f"{mean_and_error(gains)} | {ratio:.1f} | {mean_and_error(seconds, 1)} s |")
     speedups = [runs["sync", s]["train_seconds"] / runs["async", s]["train_seconds"] for s in args.seeds]
