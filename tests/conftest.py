@@ -15,6 +15,20 @@ def shared_folder(tmp_path_factory, name: str) -> str:
     return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "worlds" / name)
 
 
+def pytest_configure(config) -> None:
+    """Each test worker gets its own share of the cores (and everything it starts inherits it). Every script pins
+    its learner to the first cores and its generator to the last one: two runs on the same cores would put both
+    learners on one core and both generators on the other, each pair waiting on its own core while the other core
+    idles. Measured on 2 cores: test_rloo.py and test_ppo.py 258 s with the cores shared, 164 s with one core each;
+    the whole suite 1693 s and 1447 s."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker and workers > 1:
+        index = int(worker.removeprefix("gw"))
+        share = cores[index * len(cores) // workers: (index + 1) * len(cores) // workers]
+        os.sched_setaffinity(0, share or [cores[index % len(cores)]])
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """Longest test files first: the two test workers (pytest.ini) each take whole files. The first two files
     build the two worlds side by side; the benchmarks, which need both, come after the GSM8k world is built; the
