@@ -150,7 +150,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     train_data, *eval_splits = resolve_gsm8k(args)
     device, generator_cores, metrics_file = plumbing.start_run(args, cleanup)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
-    shares_gpu0 = use_cuda and device.index == 0  # too few GPUs: learner rank 0 sits beside vLLM
+    shares_gpu0 = plumbing.shares_gpu0()  # no spare GPU per learner: rank 0 sits beside vLLM
 
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
@@ -352,13 +352,13 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
                        pad_id: int, device, autocast) -> torch.Tensor:
     """Per-token log-probs [completions, longest] under a frozen model, in the update's precision."""
     width, logprobs = max(map(len, responses)), []
-    for i in range(0, len(prompts), chunk):
-        inputs, mask = plumbing.collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id, device)
+    for part in plumbing.chunks(len(prompts), chunk, model):  # (FSDP2: as many on every rank)
+        inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
         with autocast:
             logits = response_logits(model, inputs, mask.shape[1])
         chunk_logprobs = token_logprobs(logits, inputs["input_ids"], mask, temperature)
         logprobs.append(F.pad(chunk_logprobs, (0, width - mask.shape[1])).cpu())
-    return torch.cat(logprobs)
+    return torch.cat(logprobs)[: len(prompts)]
 
 
 # --- The reward, a verifier (to score completions your own way, replace `correctness`) ----------
@@ -567,7 +567,7 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
     process = ctx.Process(target=generator_main, args=(
         engine_kwargs, weight_buffer, weight_layout, requests, results, cores, run_tmp_dir, log_path))
     process.start()
-    return plumbing.Generator(process, requests, results, run_tmp_dir)
+    return plumbing.Generator(process, requests, results, run_tmp_dir, log_path)
 
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:

@@ -34,22 +34,21 @@ def run(main: Callable, args_class, tiny_defaults: dict) -> None:
     args.rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # SIGTERM (a scheduler's notice): with --save_every, a checkpoint at the round's end, then exit
     signal.signal(signal.SIGTERM, lambda *_: TERM.set() if args.save_every else sys.exit(128 + signal.SIGTERM))
-    code = 0
+    code, message = 0, ""
     with contextlib.ExitStack() as cleanup:
         try:
             main(args, cleanup)
-        except GeneratorError as error:
-            if args.world_size > 1 and args.rank == 0:
-                share(error, args.rank, args.world_size)  # let the other ranks stop too
-            hint = ("\n(the learner shares GPU 0 with vLLM: lower --vllm_gpu_memory_utilization)"
-                    if learner_gpu(int(os.environ.get("LOCAL_RANK", 0))) == 0 else "")
+        except GeneratorError as error:  # (every rank has it: collect shares it)
+            message = f"error: {error}" + ("\n(the learner shares GPU 0 with vLLM: lower "
+                                           "--vllm_gpu_memory_utilization)" if shares_gpu0() else "")
             if args.rank == 0 and not args.verbose:
-                hint += f"\nvLLM's log: {args.output_dir}/generator.log"
-            tqdm.write(f"error: {error}{hint}", file=sys.stderr)
+                message += f"\nvLLM's log: {args.output_dir}/generator.log"
             code = 1
         except KeyboardInterrupt:
             tqdm.write("interrupted: shutting down the generator", file=sys.stderr)
             code = 130
+    if message:  # after the clean-up: the last lines the user reads (the progress bar closed above it)
+        print(message, file=sys.stderr, flush=True)
     if dist.is_initialized():  # once DDP/FSDP state is freed (else gloo may abort the exit)
         gc.collect()
         dist.destroy_process_group()
@@ -293,13 +292,15 @@ def start_run(args, cleanup: contextlib.ExitStack):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    wandb_id = None
     if args.resume_from:  # refuse a checkpoint of another run before anything is written
-        saved_args = read_checkpoint(args.resume_from)["args"]
+        saved = read_checkpoint(args.resume_from)
+        saved_args, wandb_id = saved["args"], saved.get("wandb_id")
         differ = [k for k, v in saved_args.items() if k not in MAY_DIFFER and getattr(args, k, v) != v]
         if differ:
             fail(f"--resume_from {args.resume_from}: its run had --{differ[0]} {saved_args[differ[0]]}, "
                  f"this one has {getattr(args, differ[0])}")
-    metrics_file = open_metrics(args, args.rank)
+    metrics_file = open_metrics(args, args.rank, wandb_id)
     cleanup.callback(close_metrics, metrics_file, args.track)
     if args.rank == 0:
         print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds of "
@@ -308,9 +309,19 @@ def start_run(args, cleanup: contextlib.ExitStack):
     return device, generator_cores, metrics_file
 
 
-def learner_gpu(local_rank: int) -> int:
-    """vLLM owns GPU 0; learner rank i uses GPU i+1 of its node (or shares GPU 0 when too few)."""
-    return local_rank + 1 if torch.cuda.device_count() > int(os.environ.get("LOCAL_WORLD_SIZE", 1)) else local_rank
+def shares_gpu0(gpus: Optional[int] = None, learners: Optional[int] = None) -> bool:
+    """Whether learner rank 0 shares GPU 0 with vLLM: the node has GPUs but none spare per learner (of
+    `gpus` on the node and `learners` on it; default: this machine's). Every rank answers the same,
+    so that all take the generator's "ready" message at the same point."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    learners = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if learners is None else learners
+    return 0 < gpus <= learners
+
+
+def learner_gpu(local_rank: int, gpus: Optional[int] = None, learners: Optional[int] = None) -> int:
+    """vLLM owns GPU 0; learner rank i uses GPU i+1 of its node (GPU i when none is spare: rank 0 then
+    shares GPU 0 with vLLM)."""
+    return local_rank if shares_gpu0(gpus, learners) else local_rank + 1
 
 
 def learner_device(local_rank: int, world_size: int, generator_cores: int) -> tuple:
@@ -371,6 +382,19 @@ def my_share(args) -> np.ndarray:
     return positions.reshape(args.num_mini_batches, args.world_size, -1)[:, args.rank].ravel()
 
 
+def chunks(n: int, size: int, model: torch.nn.Module) -> list[slice]:
+    """Slices of `size` over n items, for forward passes. Under FSDP2 every forward of a sharded model
+    gathers its weights, a collective: there every rank runs as many as the rank with the most (a
+    share of an evaluation can be one prompt short), its extra slices repeating its last one; the
+    caller keeps the first n results."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = [slice(i, i + size) for i in range(0, n, size)]
+    if isinstance(model, FSDPModule):
+        parts += parts[-1:] * (int(reduce_max(len(parts), dist.get_world_size())) - len(parts))
+    return parts
+
+
 def split(batch: dict, parts: int) -> list[dict]:
     """`parts` equal consecutive slices of every list and tensor in `batch` (mini-, micro-batches)."""
     size = len(next(iter(batch.values()))) // parts
@@ -384,13 +408,13 @@ def sampling_seed(seed: int, kind: str, index: int) -> int:
 
 def share(obj, rank: int, world_size: int):
     """Rank 0 talks to the generator; the other ranks get its messages (and errors) from here."""
-    if world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], BaseException):
-        raise box[0] if rank == 0 else GeneratorError(f"rank 0 stopped: {box[0]}")
-    return box[0]
+    if world_size > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    if isinstance(obj, BaseException):
+        raise obj if rank == 0 else GeneratorError(f"rank 0 stopped: {obj}")
+    return obj
 
 
 def reduce_sums(sums: dict, world_size: int) -> dict:
@@ -478,27 +502,83 @@ def save_checkpoint(args, loop: dict, generator, score: Callable, learner, optim
         warnings.simplefilter("ignore")
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(folder + ".new", "learner"),
                  no_dist=args.world_size == 1)
+    rng = [None] * args.world_size  # every rank's own states (its device's only), gathered on rank 0
+    if args.world_size > 1:
+        dist.gather_object(rng_states(), rng if args.rank == 0 else None, dst=0)
+    else:
+        rng = [rng_states()]
     if args.rank == 0:
         metrics_file.flush()
-        rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                   cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
         state = dict(loop=loop, scheduler=scheduler.state_dict(), weight_buffer=weight_buffer, rng=rng,
-                     args=asdict(args), metrics_bytes=metrics_file.tell())
+                     args=asdict(args), metrics_bytes=metrics_file.tell(), wandb_id=wandb_run_id(args.track))
         torch.save(state, os.path.join(folder + ".new", "state.pt"))
-        if os.path.exists(folder):
+        if os.path.exists(folder):  # (a save killed while deleting .old left it: never a valid one then)
+            shutil.rmtree(folder + ".old", ignore_errors=True)
             os.replace(folder, folder + ".old")
         os.replace(folder + ".new", folder)
         shutil.rmtree(folder + ".old", ignore_errors=True)
         size = sum(f.stat().st_size for f in os.scandir(folder) if f.is_file()) + sum(
             f.stat().st_size for f in os.scandir(os.path.join(folder, "learner")))
         tqdm.write(f"checkpoint at step {loop['version']}: {size / 2**20:.1f} MiB in {time.time() - start:.2f} s")
-    if args.world_size > 1:
-        dist.barrier()
-    if TERM.is_set():
+    if reduce_max(float(TERM.is_set()), args.world_size):  # (one decision: a rank may see it late)
         tqdm.write(f"stopped by SIGTERM after the checkpoint; continue with --resume_from {args.output_dir}",
                    file=sys.stderr)
         raise SystemExit(128 + signal.SIGTERM)
     return behind
+
+
+def allocate_optimizer_state(optimizer) -> None:
+    """The optimizer's state (AdamW's moments), allocated for a checkpoint to load into, as DCP's
+    get_state_dict does (a step at lr 0 on zero gradients), but with every plain (DDP) parameter's
+    gradient a view of one shared zero buffer: DCP's own way zero-fills a full float32 gradient set
+    beside DDP's gradient buckets, +4 bytes a parameter at the resume's peak. FSDP2's gradients are
+    shards (a DTensor each), cheap, so they are allocated as DCP does."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    shared = torch.zeros(max((p.numel() for p in plain), default=0), dtype=params[0].dtype,
+                         device=plain[0].device if plain else "cpu")
+    for p in params:
+        p.grad = torch.zeros_like(p) if isinstance(p, DTensor) else shared[: p.numel()].view_as(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def rng_states() -> dict:
+    """This process's RNG states: Python's, NumPy's, torch's CPU one and its own GPU's."""
+    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+
+def restore_rng_states(states: dict) -> None:
+    """The states rng_states() saved (this rank's), the GPU one on this process's own GPU."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def keep_metrics_covered(metrics_file, checkpoint: str, covered: int) -> None:
+    """metrics.jsonl as the checkpoint left it: cut back to the bytes it covered, or, resuming into
+    another --output_dir, those bytes copied from the resumed run's file (when it is there)."""
+    source = os.path.join(os.path.dirname(checkpoint), "metrics.jsonl")
+    if os.path.exists(source) and os.path.samefile(source, metrics_file.name):
+        metrics_file.truncate(covered)
+        return
+    metrics_file.truncate(0)
+    if os.path.exists(source):
+        with open(source) as run_so_far:
+            metrics_file.write(run_so_far.read(covered))
+    else:
+        print(f"{source} is missing: {metrics_file.name} starts empty at the checkpoint", file=sys.stderr)
+    metrics_file.flush()
 
 
 def checkpoint_folder(path: str) -> str:
@@ -528,6 +608,7 @@ def resume(args, learner, optimizer, scheduler, weight_buffer, metrics_file) -> 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     saved = read_checkpoint(args.resume_from)
+    allocate_optimizer_state(optimizer)
     model_state, optim_state = get_state_dict(learner, optimizer)
     try:
         learner_folder = os.path.join(checkpoint_folder(args.resume_from), "learner")
@@ -544,20 +625,17 @@ def resume(args, learner, optimizer, scheduler, weight_buffer, metrics_file) -> 
     scheduler.load_state_dict(saved["scheduler"])
     if weight_buffer is not None:
         weight_buffer.copy_(saved["weight_buffer"])
-    random.setstate(saved["rng"]["python"])
-    np.random.set_state(saved["rng"]["numpy"])
-    torch.set_rng_state(saved["rng"]["torch"])
-    if saved["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+    restore_rng_states(saved["rng"][args.rank])
     if metrics_file is not None:
-        metrics_file.truncate(saved["metrics_bytes"])
+        keep_metrics_covered(metrics_file, checkpoint_folder(args.resume_from), saved["metrics_bytes"])
     if args.rank == 0:
         print(f"resumed at step {saved['loop']['version']} (round {saved['loop']['round']})", flush=True)
     return saved["loop"]
 
 
 # --- Metrics: metrics.jsonl (and wandb with --track) ---------------------------------------------
-def open_metrics(args, rank: int):
+def open_metrics(args, rank: int, wandb_id: Optional[str] = None):
+    """metrics.jsonl (appended to) and, with --track, the wandb run (a resumed run's own, by its id)."""
     if rank != 0:
         return None
     os.makedirs(args.output_dir, exist_ok=True)
@@ -565,7 +643,8 @@ def open_metrics(args, rank: int):
         import wandb
 
         wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
-                   config=asdict(args), dir=args.output_dir, save_code=True)
+                   config=asdict(args), dir=args.output_dir, save_code=True, id=wandb_id,
+                   resume="allow" if wandb_id else None)
         wandb.define_metric("step")
         wandb.define_metric("*", step_metric="step")
     return open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
@@ -578,6 +657,14 @@ def close_metrics(metrics_file, track: bool) -> None:
             import wandb
 
             wandb.finish()
+
+
+def wandb_run_id(track: bool) -> Optional[str]:
+    if not track:
+        return None
+    import wandb
+
+    return wandb.run.id if wandb.run is not None else None
 
 
 def log(record: dict, metrics_file, track: bool) -> None:
@@ -645,20 +732,32 @@ class Generator:
     requests: object
     results: object
     tmp_dir: str
+    log_path: Optional[str] = None  # vLLM's log (None: --verbose, the console)
+    error: Optional[GeneratorError] = None  # its death, noticed while sending (told at the next collect)
 
 
 def submit(generator, request: dict) -> None:
+    """Send a request (rank 0; the other ranks: nothing to do). A dead generator noticed here is told
+    at the next collect, which every rank passes: only rank 0 is here."""
     if isinstance(generator, list):  # in this process (hf_generate): an evaluation now, with the
         generator.append(generator[0](request) if request["kind"] == "eval" else request)  # weights it names
-    elif generator is not None:
-        send(generator.requests, request, generator.process)
+    elif generator is not None and generator.error is None:
+        try:
+            send(generator.requests, request, generator.process)
+        except GeneratorError as error:
+            generator.error = error
 
 
 def collect(generator, args) -> dict:
-    """The generator's next message, on every rank (rank 0 receives it, then shares it)."""
+    """The generator's next message, on every rank (rank 0 receives it, then shares it), or its error."""
     if isinstance(generator, list):  # in this process: a training batch is sampled when collected
         return generator.pop(1) if "responses" in generator[1] else generator[0](generator.pop(1))
-    message = receive(generator.results, generator.process) if args.rank == 0 else None
+    message = None
+    if args.rank == 0:
+        try:
+            message = generator.error or receive(generator.results, generator.process)
+        except GeneratorError as error:
+            message = error
     return share(message, args.rank, args.world_size)
 
 
@@ -742,7 +841,9 @@ def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional
 
 def quiet_resource_tracker(log_path: Optional[str]) -> None:
     """Start multiprocessing's resource tracker with its stderr in the generator's log: it warns of
-    vLLM's "leaked semaphore" when the generator is killed, which would read as a second failure."""
+    vLLM's "leaked semaphore" when the generator is killed, which would read as a second failure. If
+    it was killed too (`pkill -f multiprocessing`), it is relaunched here, where its warnings and the
+    KeyErrors of the queues' semaphores it never saw registered go to the log as well."""
     if log_path is None:  # --verbose: vLLM's log is on the console, and so is this
         return
     from multiprocessing import resource_tracker
@@ -762,6 +863,7 @@ def stop_generator(generator: Generator) -> None:
     is full (64 KiB) and is joined at exit; `cancel_join_thread()` (the documented way to exit
     "without waiting to flush enqueued data") drops a request nobody will read."""
     process = generator.process
+    quiet_resource_tracker(generator.log_path)  # (relaunched there if it died with the generator)
     with contextlib.suppress(queue.Full, ValueError, OSError):
         generator.requests.put_nowait(None)  # a polite stop, seen if the generator is idle
     process.join(timeout=2)

@@ -158,7 +158,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     train_data, eval_data = plumbing.resolve_tldr(args, PRESETS, tiny_world.build_tldr)
     device, generator_cores, metrics_file = plumbing.start_run(args, cleanup)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
-    shares_gpu0 = use_cuda and device.index == 0  # too few GPUs: learner rank 0 sits beside vLLM
+    shares_gpu0 = plumbing.shares_gpu0()  # no spare GPU per learner: rank 0 sits beside vLLM
 
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
@@ -336,13 +336,13 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
                        pad_id: int, device, autocast) -> torch.Tensor:
     """Per-token log-probs [completions, longest] under a frozen model, in the update's precision."""
     width, logprobs = max(map(len, responses)), []
-    for i in range(0, len(prompts), chunk):
-        inputs, mask = plumbing.collate(prompts[i: i + chunk], responses[i: i + chunk], pad_id, device)
+    for part in plumbing.chunks(len(prompts), chunk, model):  # (FSDP2: as many on every rank)
+        inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
         with autocast:
             logits = response_logits(model, inputs, mask.shape[1])
         chunk_logprobs = token_logprobs(logits, inputs["input_ids"], mask, temperature)
         logprobs.append(F.pad(chunk_logprobs, (0, width - mask.shape[1])).cpu())
-    return torch.cat(logprobs)
+    return torch.cat(logprobs)[: len(prompts)]
 
 
 # --- The reward (to score completions your own way, replace this function: see README.md) ---------
@@ -354,14 +354,14 @@ def score_in_chunks(reward_model, prompts: list, responses: list, has_eos: list,
     if reward_model.retokenize is not None:  # (plumbing.reward_tokenizer: said at start-up)
         prompts, responses, pad_id = reward_model.retokenize(prompts, responses, has_eos)
     backbone, scores = getattr(reward_model, reward_model.base_model_prefix), []
-    for part in [slice(i, i + chunk) for i in range(0, len(prompts), chunk)]:
+    for part in plumbing.chunks(len(prompts), chunk, reward_model):  # (FSDP2: as many on every rank)
         inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
         hidden = backbone(**inputs).last_hidden_state
         last = inputs["input_ids"].shape[1] - mask.shape[1] + mask.sum(1) - 1  # the last real token
         rows = torch.arange(len(hidden), device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):  # the head in float32 (plumbing)
             scores.append(reward_model.score(hidden[rows, last].float()).squeeze(-1).cpu())
-    scores = torch.cat(scores)
+    scores = torch.cat(scores)[: len(prompts)]
     if missing_eos_penalty is None:
         return scores
     return torch.where(torch.tensor(has_eos), scores, missing_eos_penalty)
@@ -562,7 +562,7 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
     process = ctx.Process(target=generator_main, args=(
         engine_kwargs, weight_buffer, weight_layout, requests, results, cores, run_tmp_dir, log_path))
     process.start()
-    return plumbing.Generator(process, requests, results, run_tmp_dir)
+    return plumbing.Generator(process, requests, results, run_tmp_dir, log_path)
 
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:
@@ -594,19 +594,23 @@ def evaluation_set(eval_data, tokenizer, reward_models: dict, args: Args, pad_id
                               args.per_device_train_batch_size * args.num_samples, pad_id, device)
         for name, model in reward_models.items()}
     return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
-                my_prompts=my_prompts, reference_scores=reference_scores)
+                my_prompts=my_prompts, references=dict(reference_scores, tokens=references))
 
 
-def evaluate(responses: list, prompts: list, reference_scores: dict, reward_models: dict,
+def evaluate(responses: list, prompts: list, references: dict, reward_models: dict,
              ref_policy, args: Args, pad_id: int, eos_id: int, device, autocast) -> dict:
-    """This rank's sums: wins against the references, scores, the SFT model's log-probs of them."""
+    """This rank's sums: wins against the references (a tie counts half), scores, the SFT model's
+    log-probs of them."""
     responses, has_eos = truncate_at_eos(responses, args.eval_response_length, eos_id)
     chunk = args.per_device_train_batch_size * args.num_samples
     sums = {"count": len(responses), "eos": sum(has_eos)}
+    # A completion that is its reference ties with it (half a win), whatever float noise says
+    ties = torch.tensor([r == t for r, t in zip(responses, references["tokens"])])
     for name, model in reward_models.items():
         penalty = args.missing_eos_penalty if name == "proxy" else None  # gold: the summary as is
         scores = score_in_chunks(model, prompts, responses, has_eos, penalty, chunk, pad_id, device)
-        sums[f"{name}_wins"] = (scores > reference_scores[name][: len(scores)]).sum().item()
+        wins = (scores > references[name][: len(scores)]).float()
+        sums[f"{name}_wins"] = torch.where(ties, 0.5, wins).sum().item()
         sums[f"{name}_reward"] = scores.sum().item()
     logps = logprobs_in_chunks(ref_policy, prompts, responses, 1.0, chunk, pad_id, device,
                                autocast).sum(1)
@@ -640,7 +644,7 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
     start, (eos_id, pad_id) = time.time(), plumbing.special_ids(tokenizer)
     responses = message["responses"][args.rank:: args.world_size]
     prompts = eval_set["my_prompts"][: len(responses)]
-    sums = evaluate(responses, prompts, eval_set["reference_scores"], reward_models, ref_policy,
+    sums = evaluate(responses, prompts, eval_set["references"], reward_models, ref_policy,
                     args, pad_id, eos_id, device, autocast)
     sums = plumbing.reduce_sums(sums, args.world_size)
     record = eval_record(sums, message["generation_version"], args)

@@ -2,13 +2,17 @@
 
   (a) one real learner step (reward scoring, reference log-probs, a DPO update with gradient checkpointing, fused
       AdamW, the weight snapshot) with Pythia's architecture and random weights, at the preset's micro-batch and
-      sequence lengths, printing peak GPU memory beside the README's estimate;
-  (b) the learner ranks' collectives under `torchrun --nproc_per_node 2`, on the process group the scripts create
-      (reduce_sums and share go over gloo; DDP's gradient all-reduce over NCCL when there are two GPUs);
+      sequence lengths, printing peak GPU memory beside the README's estimate; then what --resume_from allocates
+      before it loads a checkpoint (AdamW's moments, on no gradient set of their own);
+  (b) the learner ranks' collectives under `torchrun --nproc_per_node 2`, on the process group the scripts create:
+      the generator's "ready" taken by every rank at the same point (before loading the models when rank 0 shares
+      GPU 0 with vLLM, as on a one-GPU machine), reduce_sums and share over gloo, and DDP's gradient all-reduce over
+      NCCL when there are two GPUs;
   (c) the weight hand-off to a spawned reader process through the scripts' shared buffer (CUDA IPC on a GPU),
       checking that the reader sees each new version whole, never a mix of two;
   (d) precision parity at step 0 (equal weights): DPO's first loss against ln 2, the reference's log-probs against
-      the policy's, and PPO's and RLOO's first ratios with pi_old recomputed and with pi_old from a bfloat16 sampler.
+      the policy's, and PPO's and RLOO's first ratios with pi_old recomputed and with pi_old from a bfloat16 sampler
+      (steps at lr 0 with plain SGD, which holds no state; each algorithm's peak GPU memory printed).
 
     python benchmarks/gpu_check.py                       # a few minutes on one 80 GB GPU (pythia-2.8b)
     python benchmarks/gpu_check.py --model pythia-410m   # smaller
@@ -22,8 +26,10 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -202,6 +208,21 @@ def learner_step(args: Args, device: torch.device) -> None:
               f"({json.dumps({k: round(v, 2) for k, v in estimate.items()})})")
     else:
         print(f"(a) no GPU: ran on the CPU; the README's estimate for this model would be {expected:.2f} GiB")
+    # --resume_from, before it loads a checkpoint: a fresh AdamW's moments, allocated by a step at lr 0 on zero
+    # gradients that are views of one shared buffer (DCP's own way zero-fills a full gradient set: +4 B/parameter)
+    del optimizer, scheduler
+    gc.collect()
+    resumed = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=device.type == "cuda")
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    plumbing.allocate_optimizer_state(resumed)
+    assert all(p.grad is None for p in policy.parameters()), "the resume's zero gradients were not freed"
+    if device.type == "cuda":
+        extra = (torch.cuda.max_memory_allocated(device) - before) / GIB
+        print(f"(a) resume: the optimizer state's allocation peaks {extra:.1f} GiB above the weights and models "
+              f"(AdamW's moments: {8 * estimate['parameters (B)'] * 1e9 / GIB:.1f} GiB; DCP's own way adds "
+              f"{4 * estimate['parameters (B)'] * 1e9 / GIB:.1f} GiB of zero gradients)", flush=True)
 
 
 def precision_parity(args: Args, device: torch.device) -> None:
@@ -229,8 +250,8 @@ def precision_parity(args: Args, device: torch.device) -> None:
     responses = torch.randint(1, vocab, (2 * M, args.response_length)).tolist()
     chosen, rejected = responses[:M], responses[M:]
 
-    def optimizer_for(model):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the step must not move the weights
+    def optimizer_for(model):  # the step must not move the weights; plain SGD holds no state at all
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     def sequence_logps(model, regime) -> torch.Tensor:
@@ -239,6 +260,10 @@ def precision_parity(args: Args, device: torch.device) -> None:
 
     ref_logps, bf16_logps = sequence_logps(reference, autocast), sequence_logps(old_regime, no_autocast)
     policy_logps = sequence_logps(policy, autocast)  # as the update computes them (same autocast)
+    ppo_prompts, ppo_responses = prompts * 2, responses  # PPO's sampler log-probs, before the sampler is freed
+    sampler_logprobs = async_ppo.logprobs_in_chunks(old_regime, ppo_prompts, ppo_responses, temperature, M, 0,
+                                                    device, no_autocast)
+    del reference, old_regime
     mini_batch = dpo_mini_batch(prompts, chosen, rejected, torch.ones(M), ref_logps)
     stats = async_dpo.dpo_update(policy, *optimizer_for(policy), mini_batch, dpo_args(M), 0, device, autocast)
     loss = stats["loss/dpo"]
@@ -249,14 +274,12 @@ def precision_parity(args: Args, device: torch.device) -> None:
     tolerance = 1e-4 if device.type == "cpu" else 1e-2
     assert abs(loss - math.log(2)) < tolerance, "DPO's first loss is not ln 2 at equal weights"
 
+    print_peak_memory("(d) DPO", device)
     # PPO: per-token ratios at step 0, pi_old from the learner's rollout pass or from the bfloat16 sampler
-    value_model = GPTNeoXForSequenceClassification(config).to(device)
+    value_model = plumbing.prepare_policy(GPTNeoXForSequenceClassification(config).to(device), True)
     model = async_ppo.PolicyAndValue(policy, value_model)
-    ppo_prompts, ppo_responses = prompts * 2, responses
     learner_logprobs, values = async_ppo.rollout_in_chunks(model, ppo_prompts, ppo_responses, temperature, M, 0,
                                                            device, autocast)
-    sampler_logprobs = async_ppo.logprobs_in_chunks(old_regime, ppo_prompts, ppo_responses, temperature, M, 0,
-                                                    device, no_autocast)
     n, width = len(ppo_prompts), args.response_length
     logged_only = dict(kl=torch.zeros(n), scores=torch.zeros(n), eos=torch.zeros(n))  # (they feed the logs only)
     log_ratio = learner_logprobs - sampler_logprobs  # log pi_old - log mu per token (mu: the sampler)
@@ -266,7 +289,8 @@ def precision_parity(args: Args, device: torch.device) -> None:
                           advantages=torch.randn_like(values), values=values, returns=values,
                           response_mask=torch.ones(n, width), generator_gap=torch.zeros(n),
                           explained_variance=[0.0] * n, learner_log_ratio=log_ratio, is_weights=log_ratio.exp(),
-                          is_factor=is_factor, is_changed=is_changed, **logged_only)
+                          is_factor=is_factor, is_changed=is_changed, is_terms=torch.ones(n, width).bool(),
+                          **logged_only)
         stats = async_ppo.ppo_update(model, *optimizer_for(model), mini_batch, one_step_args(async_ppo, n), 0,
                                      device, autocast)
         print(f"(d) PPO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "
@@ -276,6 +300,8 @@ def precision_parity(args: Args, device: torch.device) -> None:
     print(f"(d) PPO step 0, w = pi_old / mu per token (mu: the sampler in {dtype}): min {stats['is/weight_min']:.4f}, "
           f"max {stats['is/weight_max']:.4f}, |log pi_old - log mu| mean {stats['offpolicy/mismatch_mean']:.2e}, "
           f"max {stats['offpolicy/mismatch_max']:.2e}, k3 KL {stats['offpolicy/kl_k3']:.2e}", flush=True)
+    print_peak_memory("(d) PPO", device)
+    del model, value_model
     # RLOO: sequence-level ratios (a sum over the response's tokens, so per-token differences add up)
     learner_seq = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M, 0, device,
                                                autocast).sum(1)
@@ -291,6 +317,14 @@ def precision_parity(args: Args, device: torch.device) -> None:
         if name == "recomputed":
             assert max(abs(stats["policy/ratio_mean"] - 1), stats["policy/ratio_max"] - 1) < tolerance * 10, \
                 "RLOO's first ratio is not 1"
+    print_peak_memory("(d) RLOO", device)
+
+
+def print_peak_memory(check: str, device: torch.device) -> None:
+    """A check's peak GPU memory (then the peak is reset for the next one); nothing to measure on the CPU."""
+    if device.type == "cuda":
+        print(f"{check}: peak GPU memory {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB", flush=True)
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def one_step_args(script, rows: int):
@@ -340,14 +374,33 @@ def weight_handoff(args: Args, device: torch.device) -> None:
     assert reader.exitcode == 0, f"the reader process failed (exit code {reader.exitcode})"
 
 
+def ready_main(results) -> None:
+    """(b) A stand-in for the generator process: it says "ready", as the scripts' does once vLLM is built."""
+    results.put(dict(kind="ready"))
+
+
 def collectives_worker() -> None:
-    """(b) One torchrun rank: the scripts' process group, their reduce_sums and share, and a DDP step."""
+    """(b) One torchrun rank: the scripts' process group, the generator's "ready" taken by every rank at the same
+    point (where plumbing.shares_gpu0 puts it), their reduce_sums and share, and a DDP step."""
     use_cuda = torch.cuda.is_available()
     plumbing.init_learner_group(use_cuda)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    generator, ranks = None, SimpleNamespace(rank=rank, world_size=world_size)
+    if rank == 0:
+        ctx = mp.get_context("spawn")
+        requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
+        process = ctx.Process(target=ready_main, args=(results,))
+        process.start()
+        generator = plumbing.Generator(process, requests, results, tempfile.mkdtemp())
+    shares = plumbing.shares_gpu0()  # one GPU, two learners: rank 0 beside the "generator" on GPU 0
+    decisions = [None] * world_size
+    torch.distributed.all_gather_object(decisions, shares)
+    assert len(set(decisions)) == 1, f"the ranks disagree on when to take the generator's ready: {decisions}"
+    if shares:
+        assert plumbing.collect(generator, ranks)["kind"] == "ready"
     sums = plumbing.reduce_sums({"rank": float(rank), "one": 1.0}, world_size)
     assert sums == {"rank": sum(range(world_size)), "one": world_size}, sums
     message = plumbing.share({"kind": "train", "round": 3} if rank == 0 else None, rank, world_size)
@@ -371,8 +424,13 @@ def collectives_worker() -> None:
         gc.collect()
     else:
         backend = "skipped (NCCL needs a GPU per rank; this machine has one)"
+    if not shares:
+        assert plumbing.collect(generator, ranks)["kind"] == "ready"
     if rank == 0:
-        print(f"(b) reduce_sums and share over gloo: ok; DDP gradient all-reduce: {backend}", flush=True)
+        plumbing.stop_generator(generator)
+        print(f"(b) the generator's ready taken by every rank {'before' if shares else 'after'} the models, as "
+              f"plumbing.shares_gpu0 says; reduce_sums and share over gloo: ok; DDP gradient all-reduce: {backend}",
+              flush=True)
     torch.distributed.destroy_process_group()
 
 

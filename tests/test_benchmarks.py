@@ -64,7 +64,8 @@ def test_gpu_check_runs_on_the_cpu():
     them on the CPU, which keeps it working until a GPU runs it."""
     result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    for check in ("(a) step 1", "(b) reduce_sums and share over gloo: ok", "(c) version 5", "all checks passed"):
+    for check in ("(a) step 1", "(b) the generator's ready taken by every rank", "reduce_sums and share over gloo: ok",
+                  "(c) version 5", "all checks passed"):
         assert check in result.stdout, result.stdout
 
 
@@ -120,3 +121,11 @@ def test_reward_tokenizer_cost_prints_both_paths(tiny_dir):
                         script=os.path.join("benchmarks", "reward_tokenizer_cost.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "direct (the policy's ids)" in result.stdout and "re-tokenised / direct:" in result.stdout, result.stdout
+
+
+def test_sampling_seeds_cost_prints_both_requests(tiny_dir):
+    result = run_script("--tiny_dir", tiny_dir, "--repeats", "1",
+                        script=os.path.join("benchmarks", "sampling_seeds.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| training", "| evaluation"))]
+    assert len(rows) == 2 and all(row.endswith("% |") for row in rows), result.stdout

@@ -8,7 +8,10 @@ import subprocess
 import time
 
 import psutil
-from conftest import run_script, start_as_a_foreground_job
+import pytest
+from conftest import REPO, TORCHRUN_2, run_script, start_as_a_foreground_job
+
+import plumbing
 
 STOPS_WITHIN = 30  # seconds from a dead generator or Ctrl-C to the learner's exit (about 4 s on 2 idle cores)
 
@@ -53,12 +56,61 @@ def stop_mid_training(tiny_dir: str, out: str, stop) -> tuple[float, int, str]:
 
 
 def test_killed_generator_stops_the_learner(tiny_dir, tmp_path):
+    """Killed as `pkill -9 -f multiprocessing` would, with multiprocessing's resource tracker: the console then ends
+    with the error and where vLLM's log is, nothing after them: no hint about sharing a GPU on a machine without
+    one, and none of the KeyError tracebacks of the tracker that multiprocessing relaunches (into vLLM's log)."""
     def kill_generator(_, children: list) -> None:
-        generator_of(children).kill()
+        assert generator_of(children) and len(children) == 2  # the generator and the resource tracker
+        for child in children:
+            child.kill()
 
     elapsed, code, stderr = stop_mid_training(tiny_dir, str(tmp_path), kill_generator)
     assert elapsed < STOPS_WITHIN and code == 1
-    assert "generator process exited unexpectedly" in stderr
+    assert stderr.strip().splitlines()[-2:] == ["error: the generator process exited unexpectedly (exit code -9)",
+                                                f"vLLM's log: {tmp_path}/generator.log"], stderr[-3000:]
+    assert "Traceback" not in stderr and "GPU" not in stderr
+    assert "KeyError" in (tmp_path / "generator.log").read_text()  # (where the relaunched tracker wrote)
+
+
+def run_two_ranks(program: str, folder) -> str:
+    """One of tests/two_ranks.py's programs on two torchrun ranks; returns what they printed."""
+    result = subprocess.run([*TORCHRUN_2, os.path.join(REPO, "tests", "two_ranks.py"), program, str(folder)],
+                            capture_output=True, text=True, timeout=240, cwd=REPO)
+    return result.stdout + result.stderr
+
+
+def test_a_generator_death_noticed_while_sending_stops_every_rank(tmp_path):
+    """Rank 0 finds the generator dead while it sends a request, where rank 1 is not with it (it has nothing to send
+    and goes on to a training step's reduction): the error reaches both at the next collect, which every rank
+    passes, and both stop with it. (Rank 0 used to broadcast the error from where it was: rank 1, in another
+    collective, never received it, and both hung.)"""
+    output = run_two_ranks("generator_dies_during_a_request", tmp_path)
+    assert "rank 0 sent its request" in output and "rank 1 sent its request" in output, output[-3000:]
+    assert "error: the generator process exited unexpectedly" in output
+    assert "error: rank 0 stopped: the generator process exited unexpectedly" in output
+    assert "went on without the generator" not in output and output.count("exited after") == 2
+
+
+def test_sigterm_seen_by_one_rank_during_a_save_stops_both(tmp_path):
+    """SIGTERM reached rank 0 alone while a checkpoint was written: the ranks decide to stop after it together."""
+    output = run_two_ranks("sigterm_during_a_save", tmp_path)
+    assert "rank 0 stopped with exit code 143" in output and "rank 1 stopped with exit code 143" in output, \
+        output[-3000:]
+    assert "went on after the save" not in output
+
+
+@pytest.mark.parametrize("gpus, learners, shares", [(0, 1, False), (0, 2, False), (1, 1, True), (2, 2, True),
+                                                    (4, 4, True), (2, 1, False), (4, 3, False), (8, 7, False)])
+def test_every_rank_takes_the_generators_ready_at_the_same_point(gpus, learners, shares):
+    """Learner rank 0 shares GPU 0 with vLLM when the node has no spare GPU per learner; every rank then takes the
+    generator's "ready" before loading its models, else after. The answer depends on the node's GPUs and learners
+    alone, so every rank computes the same one (rank 0 alone used to wait for "ready" first, and rank 1 waited in
+    DDP's set-up while rank 0 waited for it). Each learner gets a GPU of its own, GPU 0 shared only when none is
+    spare."""
+    assert plumbing.shares_gpu0(gpus, learners) == shares
+    if gpus:
+        devices = [plumbing.learner_gpu(rank, gpus, learners) for rank in range(learners)]
+        assert len(set(devices)) == learners and max(devices) < gpus and (0 in devices) == shares
 
 
 def test_crashing_generator_reports_its_error(tiny_dir, tmp_path):

@@ -36,12 +36,13 @@ def assert_same_run(straight, resumed, keys: tuple, rel: float = 1e-5) -> None:
                 assert y[key] == pytest.approx(x[key], rel=rel, abs=rel), (x["step"], key)
 
 
-def run_and_stop(script: str, tiny_dir: str, out, after_steps: int, launcher: tuple = ()) -> str:
+def run_and_stop(script: str, tiny_dir: str, out, after_steps: int, *flags: str, launcher: tuple = ()) -> str:
     """Start a run (--save_every 100: no checkpoint of its own within 6 steps), send it SIGTERM once `after_steps`
     steps are logged, as a scheduler would; it saves a checkpoint at the round's end and stops. Returns stderr."""
     command = [*launcher, *([] if launcher else [sys.executable]), os.path.join(REPO, script), *RUN, "--tiny_dir",
-               tiny_dir, "--output_dir", str(out), "--save_every", "100"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               tiny_dir, "--output_dir", str(out), "--save_every", "100", *flags]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "WANDB_MODE": "offline"})
     metrics = out / "metrics.jsonl"
     while process.poll() is None and (not metrics.exists() or open(metrics).read().count("staleness") < after_steps):
         time.sleep(0.1)
@@ -68,14 +69,18 @@ def straight_runs(tiny_dir, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("script", list(COMPARED))
 def test_stopped_by_sigterm_and_resumed_is_the_run_that_never_stopped(script, tiny_dir, tmp_path, straight_runs):
-    stderr = run_and_stop(script, tiny_dir, tmp_path, after_steps=2)
+    """With --track (wandb offline), the resumed run continues the stopped run's wandb run, by its id."""
+    stderr = run_and_stop(script, tiny_dir, tmp_path, 2, "--track")
     assert "stopped by SIGTERM after the checkpoint" in stderr
     assert len([r for r in records(tmp_path) if "staleness" in r]) < 6  # it did stop early
     result = run_script(*RUN, "--tiny_dir", tiny_dir, "--save_every", "100", "--resume_from", str(tmp_path),
-                        script=script)
+                        "--track", script=script, env={"WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed at step" in result.stdout
     assert_same_run(straight_runs[script], tmp_path, COMPARED[script])
+    wandb_runs = sorted(os.listdir(tmp_path / "wandb"))
+    wandb_runs = [name for name in wandb_runs if name.startswith("offline-run-")]
+    assert len(wandb_runs) == 2 and len({name.rsplit("-", 1)[1] for name in wandb_runs}) == 1, wandb_runs
 
 
 def test_resume_cuts_back_what_was_logged_after_the_checkpoint(tiny_dir, tmp_path, straight_runs):
@@ -91,10 +96,42 @@ def test_resume_cuts_back_what_was_logged_after_the_checkpoint(tiny_dir, tmp_pat
     assert_same_run(straight_runs["async_dpo.py"], tmp_path, COMPARED["async_dpo.py"])
 
 
+def test_a_save_killed_while_deleting_the_last_one_leaves_later_saves_working(tiny_dir, tmp_path, straight_runs):
+    """A save renames `checkpoint` to `checkpoint.old`, the new one into place, then deletes `.old`: killed during
+    that deletion (a large checkpoint takes a while), it leaves part of `.old` behind. The resumed run's saves must
+    still work (the first one used to fail, as would every one after it)."""
+    shutil.copytree(straight_runs["async_dpo.py"], tmp_path, dirs_exist_ok=True)
+    shutil.copytree(tmp_path / "checkpoint" / "learner", tmp_path / "checkpoint.old" / "learner")  # half deleted
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(tmp_path), "--save_every", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoint at step 5" in result.stderr + result.stdout
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["learner", "state.pt"]
+    assert not (tmp_path / "checkpoint.old").exists()
+    assert_same_run(straight_runs["async_dpo.py"], tmp_path, COMPARED["async_dpo.py"])
+
+
+def test_resumed_into_another_output_dir(tiny_dir, tmp_path, straight_runs):
+    """--output_dir elsewhere than the resumed run's folder: metrics.jsonl there starts with the records the
+    checkpoint covers, copied from the resumed run (the file used to be extended with NUL bytes), and continues."""
+    before = (straight_runs["async_dpo.py"] / "metrics.jsonl").read_bytes()
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(straight_runs["async_dpo.py"]),
+                        "--output_dir", str(tmp_path / "elsewhere"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert b"\0" not in (tmp_path / "elsewhere" / "metrics.jsonl").read_bytes()
+    assert_same_run(straight_runs["async_dpo.py"], tmp_path / "elsewhere", COMPARED["async_dpo.py"])
+    assert (straight_runs["async_dpo.py"] / "metrics.jsonl").read_bytes() == before  # the resumed run's untouched
+
+
 def test_resume_under_torchrun(tiny_dir, tmp_path, straight_runs):
     """Two DDP learner ranks stopped by SIGTERM (every rank agrees on the round to save at) and resumed: the same
-    trajectory as one process straight through (to the tolerance two ranks give)."""
-    run_and_stop("async_dpo.py", tiny_dir, tmp_path, after_steps=2, launcher=TORCHRUN_2)
+    trajectory as one process straight through (to the tolerance two ranks give). Each rank's RNG states are saved
+    and restored as its own."""
+    run_and_stop("async_dpo.py", tiny_dir, tmp_path, 2, launcher=TORCHRUN_2)
+    import torch
+
+    saved = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)
+    assert len([r for r in records(tmp_path) if "staleness" in r]) < 6  # it did stop early
+    assert [set(states) for states in saved["rng"]] == [{"python", "numpy", "torch", "cuda"}] * 2
     result = run_script(*RUN, "--tiny_dir", tiny_dir, "--resume_from", str(tmp_path), "--save_every", "100",
                         launcher=TORCHRUN_2)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,5 +1,6 @@
 """async_rloo.py: leave-one-out advantages, the clipped sequence-level objective and the KL-penalised reward by
 hand, then end to end with real vLLM on CPU."""
+import math
 
 import pytest
 import torch
@@ -126,6 +127,34 @@ def test_sequence_weight_is_the_geometric_mean_of_the_token_weights():
     async_ppo.add_advantages(episodes, torch.zeros(2, 3), old, torch.zeros(2, 3),
                              async_ppo.Args(is_level="sequence", recompute_old_logprobs=True))
     torch.testing.assert_close(episodes["is_weights"] * mask, geometric[:, None] * mask)
+
+
+def test_importance_weights_stay_finite_and_their_statistics_count_the_loss_terms():
+    """RLOO's `token` level multiplies a completion's token weights: over a long completion the product overflows
+    float32 (here log w = 150, from three tokens); it is capped at 1e30, so that truncation and the mask treat it as
+    any weight above their cap and the statistics stay finite. PPO's `sequence` level gives a completion one weight:
+    its statistics count completions (two here), not tokens (four)."""
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    generator = torch.full((2, 3), -2.0) * mask
+    old = generator + torch.tensor([[50.0, 50.0, 50.0], [0.1, 0.0, 0.0]])
+    episodes = dict(scores=torch.zeros(2), generator_logprobs=generator, response_mask=mask)
+    args = async_rloo.Args(is_level="token", is_correction="mask", recompute_old_logprobs=True)
+    async_rloo.add_advantages(episodes, torch.zeros(2), old, args)
+    assert episodes["is_weights"].tolist() == pytest.approx([1e30, math.exp(0.1)], rel=1e-4)
+    assert episodes["is_factor"].tolist() == [0.0, 1.0]
+    stats = async_rloo.offpolicy_stats(episodes["log_ratio"], mask, episodes["is_weights"], episodes["is_changed"], 1)
+    assert all(math.isfinite(v) for v in stats.values()) and stats["is/ess_fraction"] == pytest.approx(0.5)
+
+    old = generator + torch.tensor([[0.3, 0.3, 0.3], [-0.2, 0.0, 0.0]]) * mask
+    episodes = dict(scores=torch.zeros(2), generator_logprobs=generator, response_mask=mask)
+    async_ppo.add_advantages(episodes, torch.zeros(2, 3), old, torch.zeros(2, 3),
+                             async_ppo.Args(is_level="sequence", recompute_old_logprobs=True))
+    terms = episodes["is_terms"]
+    stats = async_ppo.offpolicy_stats(episodes["learner_log_ratio"], mask, episodes["is_weights"][terms],
+                                      episodes["is_changed"][terms], 1)
+    w = torch.tensor([0.3, -0.2]).exp()  # one weight a completion
+    assert terms.sum() == 2 and stats["is/ess_fraction"] == pytest.approx((w.sum() ** 2 / (2 * (w**2).sum())).item())
+    assert stats["is/weight_mean"] == pytest.approx(w.mean().item())
 
 
 def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):

@@ -146,12 +146,14 @@ def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perple
     eos = tokenizer.eos_token_id
     responses = [[5, 6, eos], [7, 8, 9, 10]]  # the second never ends
     args = Args(missing_eos_penalty=-3.0, eval_response_length=4, per_device_train_batch_size=1)
-    references = {"proxy": torch.tensor([0.0, 0.0]), "gold": torch.tensor([0.0, 0.0])}
+    # The first completion is its reference: a tie (half a win) under both models, whatever their scores say
+    references = {"proxy": torch.tensor([0.0, 0.0]), "gold": torch.tensor([0.0, 0.0]), "tokens": [[5, 6, eos], [5]]}
     sums = evaluate(responses, prompts, references, {"proxy": reward_model, "gold": reward_model}, sft, args, eos,
                     eos, CPU, torch.autocast("cpu", enabled=False))
     raw = score_in_chunks(reward_model, prompts, responses, [True, False], None, 2, eos, CPU)
     assert sums["proxy_reward"] == pytest.approx(raw[0].item() - 3.0, abs=1e-5)
     assert sums["gold_reward"] == pytest.approx(raw.sum().item(), abs=1e-5)
+    assert sums["proxy_wins"] == 0.5 and sums["gold_wins"] == 0.5 + (raw[1] > 0).item()
     logps, counts = sequence_logprobs(sft, *collate(prompts, responses, eos, CPU), 1.0)
     paper = torch.exp(-logps / (torch.tensor([len(p) for p in prompts]) + counts)).sum().item()
     assert sums["paper_perplexity"] == pytest.approx(paper, rel=1e-5)
@@ -220,3 +222,21 @@ def test_tiny_assets_have_the_hub_dataset_columns(tiny_dir):
         assert split[0]["query"].startswith("SUBREDDIT: r/") and split[0]["query"].endswith("\n\nTL;DR:")
         assert split[0]["reference_response"].startswith(" ") and split[0]["reference_response"].endswith(
             "<|endoftext|>")
+
+
+def test_resume_allocates_the_optimizer_state_without_a_gradient_set():
+    """--resume_from first allocates AdamW's moments (to load the checkpoint's into), by a step at lr 0 on zero
+    gradients. DCP's own way gives every parameter a zero gradient of its own: beside DDP's gradient buckets, a
+    second full float32 gradient set at the resume's peak. Here the step sees one shared zero buffer, the weights do
+    not move (weight decay included), the learning rate comes back, and no gradient is left behind."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    storages = []
+    optimizer.register_step_pre_hook(lambda opt, *_: storages.append(
+        {p.grad.untyped_storage().data_ptr() for group in opt.param_groups for p in group["params"]}))
+    plumbing.allocate_optimizer_state(optimizer)
+    assert len(storages) == 1 and len(storages[0]) == 1  # one step, on one shared buffer
+    assert all(p.grad is None for p in model.parameters()) and optimizer.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in model.parameters())

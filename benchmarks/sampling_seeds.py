@@ -1,0 +1,74 @@
+"""What per-request sampling seeds cost vLLM: the scripts give every prompt of a request its own seed (exact resume
+regenerates a batch from its seed and weights), and vLLM's sampler then draws row by row ("can be slow", its source
+says) instead of for the whole batch at once. Times the tiny world's demo round (32 prompts x 2 samples of 16
+tokens) and its evaluation (128 prompts x 1, near-greedy) with seeds and without, in a vLLM engine built as the
+scripts build theirs, on the generator's one core.
+
+    python benchmarks/sampling_seeds.py                 # 40 interleaved repeats: about 2 minutes on 2 cores
+"""
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class Args:
+    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    """the tiny world (built there if missing)"""
+    repeats: int = 40
+    """timed generations of each kind, with and without seeds, interleaved"""
+
+
+def main(args: Args) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, as the generator has it
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (its log would bury the table)
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[-1:])  # the generator's core (the last one)
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import async_dpo
+    import plumbing
+    import tiny_world
+
+    torch.set_num_threads(1)
+    run_args = async_dpo.Args(model="tiny", **async_dpo.TINY_DEFAULTS)
+    run_args.sft_model_path, _, data, _ = tiny_world.build_tldr(args.tiny_dir)
+    run_args.dtype = "float32"
+    async_dpo.compute_batch_sizes(run_args, world_size=1)
+    llm = LLM(**async_dpo.engine_kwargs(run_args, AutoConfig.from_pretrained(run_args.sft_model_path), False))
+    tokenizer = AutoTokenizer.from_pretrained(run_args.sft_model_path)
+    queries = [json.loads(line)["query"] for line in open(os.path.join(data, "validation.jsonl"))]
+    prompts = [TokensPrompt(prompt_token_ids=p)
+               for p in plumbing.tokenize_prompts(tokenizer, queries, run_args.max_prompt_length)]
+    kinds = {"training round (32 prompts x 2)": (prompts[:32], 2, run_args.temperature),
+             "evaluation (128 prompts x 1)": (prompts[:128], 1, run_args.eval_temperature)}
+    print("| request | with a seed per prompt (ms) | without seeds (ms) | cost of the seeds |\n|---|---|---|---|")
+    for kind, (batch, n, temperature) in kinds.items():
+        times = {True: [], False: []}
+        for repeat in range(args.repeats + 1):  # (the first of each is a warm-up)
+            for seeded in (True, False):
+                sampling = ([SamplingParams(n=n, temperature=temperature, max_tokens=16, seed=1000 + i * n,
+                                            logprobs=0, detokenize=False) for i in range(len(batch))] if seeded else
+                            SamplingParams(n=n, temperature=temperature, max_tokens=16, logprobs=0, detokenize=False))
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                llm.generate(batch, sampling, use_tqdm=False)
+                if repeat:
+                    times[seeded].append(1000 * (time.perf_counter() - start))
+        seeded, unseeded = (statistics.median(times[s]) for s in (True, False))
+        print(f"| {kind} | {seeded:.0f} | {unseeded:.0f} | {100 * (seeded / unseeded - 1):+.1f}% |", flush=True)
+    print(f"(medians of {args.repeats} generations each, interleaved, on one core)")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,85 @@
+"""Programs that two torchrun learner ranks run, for tests of what the ranks must agree on (test_failures.py,
+test_resume.py): `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/two_ranks.py PROGRAM DIR`.
+Each prints what each rank did; the tests read it."""
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import plumbing  # noqa: E402
+
+
+def sigterm_during_a_save(folder: str) -> None:
+    """SIGTERM reached rank 0 alone, during a checkpoint: after the save, both ranks stop (one decision)."""
+    from async_dpo import Args
+
+    plumbing.init_learner_group(use_cuda=False)
+    rank = int(os.environ["RANK"])
+    args = Args(output_dir=folder, save_every=1, rank=rank, world_size=2)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    metrics = open(os.path.join(folder, "metrics.jsonl"), "a") if rank == 0 else None
+    if rank == 0:
+        plumbing.TERM.set()  # (as the scripts' SIGTERM handler does)
+    loop = dict(round=1, version=1, buffer_version=0, last_eval=0, pending_evals=0)
+    try:
+        plumbing.save_checkpoint(args, loop, None, None, model, optimizer, scheduler, torch.zeros(3), metrics)
+        print(f"rank {rank} went on after the save", flush=True)
+    except SystemExit as stop:
+        print(f"rank {rank} stopped with exit code {stop.code}", flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def exits_at_once() -> None:
+    """A stand-in for a generator process that has died."""
+
+
+@dataclass
+class RunArgs:
+    model: str = "tiny"
+    save_every: int = 0
+    verbose: bool = True
+    output_dir: str = ""
+    rank: int = 0
+    world_size: int = 1
+
+
+def generator_dies_during_a_request(folder: str) -> None:
+    """Rank 0 notices the dead generator while it sends a request (the one-slot queue is full), while rank 1 goes on
+    to the training step's collectives: both must stop with the generator's error, through plumbing.run."""
+
+    def main(args: RunArgs, cleanup) -> None:
+        plumbing.init_learner_group(use_cuda=False)
+        generator = None
+        if args.rank == 0:
+            ctx = mp.get_context("spawn")
+            process = ctx.Process(target=exits_at_once)
+            process.start()
+            process.join()
+            requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
+            requests.put({"kind": "train"})  # a request nobody will take: the slot stays full
+            generator = plumbing.Generator(process, requests, results, folder)
+            cleanup.callback(plumbing.stop_generator, generator)
+        plumbing.submit(generator, {"kind": "eval"})  # rank 0 notices the death here; rank 1 has nothing to send
+        print(f"rank {args.rank} sent its request", flush=True)
+        plumbing.reduce_sums({"loss": 1.0}, args.world_size)  # a training step's reduction, on every rank
+        plumbing.collect(generator, args)
+        print(f"rank {args.rank} went on without the generator", flush=True)
+
+    start = time.time()
+    try:
+        plumbing.run(main, RunArgs, {})
+    finally:
+        print(f"rank {os.environ['RANK']} exited after {time.time() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    program, folder = sys.argv[1], sys.argv[2]
+    sys.argv = sys.argv[:1]
+    {"sigterm_during_a_save": sigterm_during_a_save,
+     "generator_dies_during_a_request": generator_dies_during_a_request}[program](folder)
