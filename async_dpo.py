@@ -6,7 +6,7 @@ Round r of the loop in `main()` (right below Args):
   2. ASYNC: publish the newest weights and request round r+1, which vLLM generates while we train;
   3. score the completions with the reward model: each prompt's best and worst form a DPO pair;
   4. the frozen reference's log-probs of the pairs;
-  5. N mini-batches x T epochs of DPO steps;  6. log.
+  5. N mini-batches x T epochs of DPO steps;  6. log;  7. checkpoint (--save_every).
 Every step thus trains on completions of weights one step old (staleness 1, with N = T = 1).
 Demo on CPU: `python async_dpo.py --model tiny`. Diagram and reading guide: README.md.
 """
@@ -20,14 +20,16 @@ import traceback
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import plumbing
 import tiny_world
+from plumbing import checkpoint, core, generator_io, launch, metrics
+from plumbing.reward_models import load_reward_models
 
 TLDR_DATASET = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 PRESETS = {  # --model: (SFT policy, proxy reward model, dataset) on the Hugging Face hub
@@ -56,7 +58,8 @@ class Args:
     wandb_entity: Optional[str] = None
     """the wandb entity (team) name"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, the generator's log and the saved model go (default: runs/{run_name})"""
+    """where metrics.jsonl, the generator's log and the saved model go (default, filled in by
+    resolve_args: runs/{run_name}, or the resumed run's folder)"""
     save_model: bool = False
     """save the final policy and tokenizer with save_pretrained to {output_dir}/model"""
     save_every: int = 0
@@ -70,11 +73,11 @@ class Args:
     model: Literal["tiny", "pythia-410m", "pythia-1b", "pythia-2.8b"] = "pythia-2.8b"
     """preset naming the SFT policy, reward model and dataset; `tiny`: a toy world built on CPU"""
     sft_model_path: Optional[str] = None
-    """SFT policy (hub name or local folder), also the frozen reference. Overrides the preset"""
+    """SFT policy (hub name or local folder), also the frozen reference (default: the preset's)"""
     reward_model_path: Optional[str] = None
-    """reward model with a 1-label sequence-classification head. Overrides the preset"""
+    """reward model with a 1-label sequence-classification head (default: the preset's)"""
     dataset: Optional[str] = None
-    """prompts with `query`, `reference_response` columns (hub, folder or file). Overrides the preset"""
+    """prompts with `query`, `reference_response` columns (hub, folder or file; default: preset)"""
     gold_reward_model_path: Optional[str] = None
     """gold reward model, only for evaluation; `tiny` has its own"""
     reward_chat_template: bool = False
@@ -124,9 +127,11 @@ class Args:
 
     # Systems
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
-    """vLLM's and reward models' dtype, the learner's autocast (default: GPU bfloat16, CPU float32)"""
+    """vLLM's and reward models' dtype, the learner's autocast (default, filled in by resolve_args:
+    bfloat16 on GPU, float32 on CPU)"""
     gradient_checkpointing: Optional[bool] = None
-    """recompute activations in the backward pass instead of storing them (default: on; tiny: off)"""
+    """recompute activations in the backward pass instead of storing them (default, filled in by
+    resolve_args: on; tiny: off)"""
     vllm_gpu_memory_utilization: float = 0.9
     """fraction of GPU 0's memory vLLM may use (lower it when the learner shares that GPU)"""
     generator_cores: int = 1
@@ -134,7 +139,7 @@ class Args:
     fsdp: bool = False
     """under torchrun, shard every model over the learners with FSDP2 (default: DDP)"""
 
-    # to be filled in at runtime
+    # filled in at runtime by resolve_args, from the flags above
     run_name: str = ""
     """`{model}__{exp_name}__{seed}__{time}`"""
     rank: int = 0
@@ -151,155 +156,181 @@ class Args:
     """optimizer steps in total"""
 
 
+def resolve_args(args: Args) -> Args:
+    """Args' runtime fields, right after parsing: the learner ranks, the schedule's sizes, the
+    precision, where the run logs, and the preset's models and data (plumbing only checks flags)."""
+    args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
+    if args.num_samples < 2:
+        core.fail(f"--num_samples must be at least 2 (a DPO pair needs two), got {args.num_samples}")
+    core.check_flags(args)
+    args.local_batch_size = args.batch_size // args.world_size
+    args.gradient_accumulation_steps = args.local_batch_size // args.per_device_train_batch_size
+    args.num_rounds = args.total_episodes // (args.batch_size * args.num_mini_batches)
+    args.num_steps = args.num_rounds * args.num_mini_batches * args.num_epochs
+    args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    if args.gradient_checkpointing is None:  # the toy models need none
+        args.gradient_checkpointing = args.model != "tiny"
+    args.run_name = f"{args.model}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.output_dir is None:  # (resumed: the run's own folder)
+        args.output_dir = (checkpoint.run_folder(args.resume_from) if args.resume_from
+                           else os.path.join("runs", args.run_name))
+    sft, reward, data, gold = (tiny_world.build_tldr(args.tiny_dir) if args.model == "tiny"
+                               else (*PRESETS[args.model], None))  # (tiny: built once, then cached)
+    args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
+    args.reward_model_path = args.reward_model_path or reward
+    args.gold_reward_model_path = args.gold_reward_model_path or gold
+    return args
+
+
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
-    compute_batch_sizes(args, args.world_size)
-    train_data, eval_data = plumbing.resolve_tldr(args, PRESETS, tiny_world.build_tldr)
-    device, generator_cores, metrics_file = plumbing.start_run(args, cleanup)
+    core.check_model_paths(args, "sft_model_path", "reward_model_path", "gold_reward_model_path")
+    train_data, eval_data = core.load_prompt_splits(args.dataset, args.seed)
+    device, generator_cores, metrics_file = launch.start_run(args, cleanup)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
-    shares_gpu0 = plumbing.shares_gpu0()  # no spare GPU per learner: rank 0 sits beside vLLM
+    shares_gpu0 = core.shares_gpu0()  # no spare GPU per learner: rank 0 sits beside vLLM
 
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
     with torch.device("meta"):  # the buffer's layout needs the config only, no weights
         weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
-    generator = weight_buffer = None  # rank 0 only
-    if args.rank == 0:
+    generator, weight_buffer = generator_io.Generator(args.rank, args.world_size), None
+    if args.rank == 0:  # (the other ranks get its messages from rank 0)
         weight_buffer = make_weight_buffer(weight_layout, dtype, device)
         generator = start_generator(engine_kwargs(args, config, use_cuda), weight_buffer,
                                     weight_layout, None if use_cuda else generator_cores, args)
-        cleanup.callback(plumbing.stop_generator, generator)
+        cleanup.callback(generator.stop)
     if shares_gpu0:
-        plumbing.collect(generator, args)  # "ready": vLLM has taken its share of GPU 0
+        generator.collect()  # "ready": vLLM has taken its share of GPU 0
 
     # The policy trains in float32 (under autocast on GPU); the reference runs exactly as it does,
     # so that log pi - log pi_ref is 0 at step 0 on GPU as on CPU. Reward models load in `dtype`.
-    tokenizer, eos_id, pad_id = plumbing.load_tokenizer(args.sft_model_path)
+    tokenizer = core.load_tokenizer(args.sft_model_path)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
+    run = core.Run(device, autocast, *core.special_ids(tokenizer))  # the facts every step uses
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
-    policy = plumbing.prepare_policy(policy.to(device), args.gradient_checkpointing)
+    policy = core.train_without_dropout(policy.to(device), args.gradient_checkpointing)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
     ref_policy = ref_policy.to(device).eval().requires_grad_(False)
-    reward_models = plumbing.load_reward_models(args, tokenizer, train_data, dtype, device)
-    learner = plumbing.shard_or_replicate(policy, [ref_policy, *reward_models.values()], args, device)
+    reward_models = load_reward_models(args, tokenizer, train_data, dtype, device)
+    learner = core.shard_or_replicate(policy, [ref_policy, *reward_models.values()], args, device)
     optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.num_steps)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
 
-    train_prompts = plumbing.tokenize_prompts(tokenizer, train_data["query"], args.max_prompt_length)
-    prompt_rounds = plumbing.prompt_rounds(len(train_prompts), args)  # [round, prompt] indices
-    my_prompts = plumbing.my_share(args)  # the positions in a round that this rank trains on
-    eval_set = evaluation_set(eval_data, tokenizer, reward_models, args, pad_id, eos_id, device)
+    train_prompts = core.tokenize_prompts(tokenizer, train_data["query"], args.max_prompt_length)
+    prompt_rounds = core.prompt_rounds(len(train_prompts), args)  # [round, prompt] indices
+    # A round is N mini-batches of batch_size prompts, each split over the ranks: [N, ranks, local]
+    my_prompts = np.arange(args.batch_size * args.num_mini_batches).reshape(
+        args.num_mini_batches, args.world_size, -1)[:, args.rank].ravel()  # this rank's positions
+    eval_set = evaluation_set(eval_data, tokenizer, reward_models, args, run)
     eval_prompts = eval_set["prompts"][: eval_set["num_prompts"]]  # during training
     run_evaluation = functools.partial(
         score_evaluation, eval_set=eval_set, reward_models=reward_models, ref_policy=ref_policy,
-        tokenizer=tokenizer, args=args, device=device, autocast=autocast, metrics_file=metrics_file)
+        tokenizer=tokenizer, args=args, run=run, metrics_file=metrics_file)
     if not shares_gpu0:
-        plumbing.collect(generator, args)  # "ready": vLLM was built while we loaded our models
-    # What a checkpoint saves (--save_every) and --resume_from loads, with the loop's counters
-    saved = dict(learner=learner, optimizer=optimizer, scheduler=scheduler, weight_buffer=weight_buffer,
-                 metrics_file=metrics_file)
-    loop = plumbing.resume(args, **saved)
-    progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=loop["version"], desc=args.exp_name,
+        generator.collect()  # "ready": vLLM was built while we loaded our models
+
+    # The loop's state, fresh or (--resume_from) where a checkpoint left it: the first round, the
+    # policy's version (optimizer steps taken; 0: the SFT weights, vLLM's start), the version in the
+    # weight buffer (the generator's), the last evaluation requested, and those not yet scored
+    saved = dict(learner=learner, optimizer=optimizer, scheduler=scheduler,
+                 weight_buffer=weight_buffer, metrics_file=metrics_file)  # what a checkpoint holds
+    loop = (0, 0, 0, 0, [])
+    if args.resume_from:
+        loop = checkpoint.resume(args, **saved)
+    first_round, version, buffer_version, last_eval, pending_evals = loop
+    progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
     if not args.resume_from:  # evaluate the SFT policy, then start the clock
-        plumbing.submit(generator, eval_request(0, eval_prompts, args))
-        run_evaluation(plumbing.collect(generator, args), training_start=None)
+        generator.submit(eval_request(0, eval_prompts, args))
+        run_evaluation(generator.collect(), training_start=None)
     training_start = time.time()
-    version = loop["version"]  # optimizer steps taken: the policy's version (0: SFT, vLLM's start)
-    buffer_version = loop["buffer_version"]  # the version in the weight buffer (the generator's)
-    last_eval = loop["last_eval"]  # the version of the last evaluation requested
-    first_prompts = [train_prompts[i] for i in prompt_rounds[loop["round"]]]
-    plumbing.submit(generator, train_request(loop["round"], buffer_version, first_prompts, args))
-    for eval_version in loop["pending_evals"]:  # (resumed: evaluations that were queued behind it)
-        plumbing.submit(generator, eval_request(eval_version, eval_prompts, args))
-    pending_evals = len(loop["pending_evals"])  # evaluations requested and not yet scored
-    for round_index in range(loop["round"], args.num_rounds):
+    first_prompts = [train_prompts[i] for i in prompt_rounds[first_round]]
+    generator.submit(train_request(first_round, buffer_version, first_prompts, args))
+    for eval_version in pending_evals:  # (resumed: evaluations that were queued behind it)
+        generator.submit(eval_request(eval_version, eval_prompts, args))
+    for round_index in range(first_round, args.num_rounds):
         # 1. Receive this round's batch, sampled with the previous weights (evaluations first)
         round_start = wait_start = time.time()
         eval_seconds = 0.0
-        while (batch := plumbing.collect(generator, args))["kind"] == "eval":
+        while (batch := generator.collect())["kind"] == "eval":
             eval_seconds += run_evaluation(batch, training_start=training_start)
-            pending_evals -= 1
+            pending_evals.pop(0)
         wait_end = time.time()
         if batch["round"] != round_index:
             raise RuntimeError(f"expected the batch of round {round_index}, got {batch['round']}")
 
-        # 2. ASYNC: publish the newest weights and request the next round, which vLLM generates while
-        # we train on this one (the buffer is free: vLLM loaded the last weights before `batch`)
+        # 2. ASYNC: publish the newest weights and request the next round, which vLLM generates
+        # while we train on this one (the buffer is free: vLLM loaded the last weights before it)
         sync_start = time.time()
         if version != buffer_version:
             write_weight_snapshot(policy, weight_buffer, weight_layout)
             buffer_version = version
         if round_index + 1 < args.num_rounds:
             next_prompts = [train_prompts[i] for i in prompt_rounds[round_index + 1]]
-            plumbing.submit(generator, train_request(round_index + 1, version, next_prompts, args))
+            generator.submit(train_request(round_index + 1, version, next_prompts, args))
         if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
             last_eval = version  # queued behind the training batch: never generated after it
-            plumbing.submit(generator, eval_request(version, eval_prompts, args))
-            pending_evals += 1
+            generator.submit(eval_request(version, eval_prompts, args))
+            pending_evals.append(version)
         sync_end = time.time()
 
         # 3. ALGO: score this rank's completions; each prompt's best and worst form its DPO pair
         train_start = time.time()
         prompts = [train_prompts[i] for i in prompt_rounds[round_index][my_prompts]]
-        pairs = make_pairs(batch, prompts, my_prompts, reward_models["proxy"], args, pad_id, eos_id, device)
+        pairs = make_pairs(batch, prompts, my_prompts, reward_models["proxy"], args, run)
 
         # 4. ALGO: the frozen reference's log-probs of every pair, once per round
-        ref_logps = logprobs_in_chunks(
-            ref_policy, pairs["prompts"] * 2, pairs["chosen"] + pairs["rejected"], args.temperature,
-            2 * args.per_device_train_batch_size, pad_id, device, autocast).sum(1)
+        ref_logps = logprobs_in_chunks(ref_policy, pairs["prompts"] * 2, pairs["chosen"]
+                                       + pairs["rejected"], args.temperature,
+                                       2 * args.per_device_train_batch_size, run).sum(1)
         pairs["ref_chosen_logps"], pairs["ref_rejected_logps"] = ref_logps.chunk(2)
 
-        # 5. ALGO: N mini-batches x T epochs of DPO steps (mini-batch n: the n-th slice of pairs)
+        # 5. ALGO: N mini-batches x T epochs of DPO steps; mini-batch n is the n-th slice of every
+        # rank's pairs (all ranks' n-th slices: the step's batch_size prompts)
+        size = args.local_batch_size  # this rank's pairs in a mini-batch
         for epoch in range(args.num_epochs):
-            for n, mini_batch in enumerate(plumbing.split(pairs, args.num_mini_batches)):
+            for n in range(args.num_mini_batches):
+                mini_batch = {key: value[n * size: (n + 1) * size] for key, value in pairs.items()}
                 staleness = version - batch["generation_version"]  # steps since it was sampled
-                stats = dpo_update(learner, optimizer, scheduler, mini_batch, args, pad_id, device, autocast)
+                stats = dpo_update(learner, optimizer, scheduler, mini_batch, args, run)
                 version += 1
 
                 # 6. Log the step (and the round's timings with its last step)
-                record = dict(step=version, episode=plumbing.episodes_at(version, args),
+                record = dict(step=version, episode=metrics.episodes_at(version, args),
                               round=round_index, generation_version=batch["generation_version"],
                               staleness=staleness, lr=scheduler.get_last_lr()[0], **stats)
                 if epoch == args.num_epochs - 1 and n == args.num_mini_batches - 1:
-                    record.update(plumbing.round_times(
+                    record.update(metrics.round_times(
                         training_start, round_start, eval_seconds, learner_wait=(wait_start, wait_end),
                         weight_load=(batch["weight_load_start"], batch["generation_start"]),
                         generation=(batch["generation_start"], batch["generation_end"]),
                         weight_sync=(sync_start, sync_end), training=(train_start, time.time())))
                 record["time/elapsed"] = time.time() - training_start
-                plumbing.log(record, metrics_file, args.track)
+                metrics.log(record, metrics_file, args.track)
                 progress.update(1)
                 progress.set_postfix(reward=f"{stats['reward/mean']:.3f}",
                                      loss=f"{stats['loss/dpo']:.3f}", staleness=staleness)
 
-        # 7. Checkpoint (--save_every, or SIGTERM) at the round's end (plumbing.save_checkpoint)
-        if round_index + 1 < args.num_rounds and plumbing.checkpoint_due(args, version):
-            loop = dict(round=round_index + 1, version=version, buffer_version=buffer_version,
-                        last_eval=last_eval, pending_evals=pending_evals)
+        # 7. Checkpoint (--save_every, or SIGTERM) at the round's end
+        if round_index + 1 < args.num_rounds and checkpoint.due(args, version):
+            loop = (round_index + 1, version, buffer_version, last_eval, pending_evals)
             score = functools.partial(run_evaluation, training_start=training_start)
-            pending_evals = plumbing.save_checkpoint(args, loop, generator, score, **saved)
+            pending_evals = checkpoint.save(args, loop, generator, score, **saved)
 
     # Final evaluation (the whole validation split by default) with the last weights. One requested
     # in the last round may still be loading its weights: score it before the buffer is rewritten.
-    for _ in range(pending_evals):
-        run_evaluation(plumbing.collect(generator, args), training_start=training_start)
+    for _ in pending_evals:
+        run_evaluation(generator.collect(), training_start=training_start)
     write_weight_snapshot(policy, weight_buffer, weight_layout)
-    plumbing.submit(generator, eval_request(version, eval_set["prompts"], args, final=True))
-    run_evaluation(plumbing.collect(generator, args), training_start=training_start)
+    generator.submit(eval_request(version, eval_set["prompts"], args, final=True))
+    run_evaluation(generator.collect(), training_start=training_start)
     progress.close()
     if args.save_model:
-        plumbing.save_policy(policy, tokenizer, args)
+        core.save_policy(policy, tokenizer, args)
 
 
-def compute_batch_sizes(args: Args, world_size: int) -> None:
-    """Check the flags, fill in Args' runtime fields (plumbing.batch_sizes); a DPO pair needs two."""
-    if args.num_samples < 2:
-        plumbing.fail(f"--num_samples must be at least 2 (a DPO pair needs two), got {args.num_samples}")
-    plumbing.batch_sizes(args, world_size)
-
-
-# --- Tokens and log-probs -----------------------------------------------------------------------
+# --- Tokens and log-probs -------------------------------------------------------------------------
 def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
     """Cut each completion after its first EOS (and at `length`); say which ones emitted EOS."""
     cut, has_eos = [], []
@@ -310,6 +341,21 @@ def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tup
     return cut, has_eos
 
 
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> tuple:
+    """Left-pad the prompts and right-pad the responses, each to this micro-batch's own longest, so
+    that every response starts at the same column. Position ids skip the left padding, so they match
+    unpadded sequences. Returns the model inputs and the mask of the response tokens."""
+    prompt_width, response_width = max(map(len, prompts)), max(map(len, responses))
+    ids = [[pad_id] * (prompt_width - len(p)) + p + r + [pad_id] * (response_width - len(r))
+           for p, r in zip(prompts, responses)]
+    mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(r)) + [0] * (response_width - len(r))
+            for p, r in zip(prompts, responses)]
+    input_ids, attention_mask = torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0), use_cache=False)
+    return inputs, attention_mask[:, prompt_width:]
+
+
 def response_logits(model, inputs: dict, width: int) -> torch.Tensor:
     # Only the logits that predict the `width` response tokens: no [batch, prompt, vocab] tensor
     return model(**inputs, logits_to_keep=width + 1).logits[:, :-1]
@@ -317,7 +363,7 @@ def response_logits(model, inputs: dict, width: int) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float) -> torch.Tensor:
-    """Per-token log-probs of the responses (0 on padding) at the sampling temperature (as vLLM's)."""
+    """Per-token log-probs of the responses (0 on padding) at the sampling temperature, as vLLM's."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     tokens = input_ids[:, -response_mask.shape[1]:, None]
     return logprobs.gather(2, tokens).squeeze(-1) * response_mask
@@ -325,12 +371,12 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, response_mask:
 
 @torch.no_grad()
 def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float, chunk: int,
-                       pad_id: int, device, autocast) -> torch.Tensor:
-    """Per-token log-probs [completions, longest] under a frozen model, in the update's precision."""
+                       run: core.Run) -> torch.Tensor:
+    """Per-token log-probs [completions, longest] under a frozen model, in the update's precision"""
     width, logprobs = max(map(len, responses)), []
-    for part in plumbing.chunks(len(prompts), chunk, model):  # (FSDP2: as many on every rank)
-        inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
-        with autocast:
+    for part in core.chunks(len(prompts), chunk, model):  # (FSDP2: as many on every rank)
+        inputs, mask = collate(prompts[part], responses[part], run.pad_id, run.device)
+        with run.autocast:
             logits = response_logits(model, inputs, mask.shape[1])
         chunk_logprobs = token_logprobs(logits, inputs["input_ids"], mask, temperature)
         logprobs.append(F.pad(chunk_logprobs, (0, width - mask.shape[1])).cpu())
@@ -340,14 +386,15 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
 # --- The reward (to score completions your own way, replace this function: see README.md) ---------
 @torch.no_grad()
 def score_in_chunks(reward_model, prompts: list, responses: list, has_eos: list,
-                    missing_eos_penalty: Optional[float], chunk: int, pad_id: int, device):
+                    missing_eos_penalty: Optional[float], chunk: int, run: core.Run):
     """Each completion's score: the reward model's at the last token of prompt + completion (if it
     has a tokenizer of its own: of their text, re-tokenised); without EOS, the penalty (or None)."""
-    if reward_model.retokenize is not None:  # (plumbing.reward_tokenizer: said at start-up)
+    pad_id = run.pad_id
+    if reward_model.retokenize is not None:  # (said at start-up: plumbing.reward_models)
         prompts, responses, pad_id = reward_model.retokenize(prompts, responses, has_eos)
     backbone, scores = getattr(reward_model, reward_model.base_model_prefix), []
-    for part in plumbing.chunks(len(prompts), chunk, reward_model):  # (FSDP2: as many on every rank)
-        inputs, mask = plumbing.collate(prompts[part], responses[part], pad_id, device)
+    for part in core.chunks(len(prompts), chunk, reward_model):  # (FSDP2: as many on every rank)
+        inputs, mask = collate(prompts[part], responses[part], pad_id, run.device)
         hidden = backbone(**inputs).last_hidden_state
         last = inputs["input_ids"].shape[1] - mask.shape[1] + mask.sum(1) - 1  # the last real token
         rows = torch.arange(len(hidden), device=hidden.device)
@@ -359,26 +406,27 @@ def score_in_chunks(reward_model, prompts: list, responses: list, has_eos: list,
     return torch.where(torch.tensor(has_eos), scores, missing_eos_penalty)
 
 
-# --- Online DPO: pairs from the reward model, the loss and the update ----------------------------
+# --- Online DPO: pairs from the reward model, the loss and the update -----------------------------
 def select_pairs(scores: torch.Tensor):
     """scores [prompts, K] -> (chosen, rejected, valid): the best and the worst completion; a prompt
     whose K completions all score the same carries no preference (valid=False)."""
     return scores.argmax(1), scores.argmin(1), scores.max(1).values > scores.min(1).values
 
 
-def make_pairs(batch: dict, prompts: list, my_prompts, reward_model, args: Args, pad_id: int,
-               eos_id: int, device) -> dict:
+def make_pairs(batch: dict, prompts: list, my_prompts, reward_model, args: Args,
+               run: core.Run) -> dict:
     """This rank's DPO pairs, one row per prompt: its chosen and rejected completion, the scores of
     its K completions, whether it has a preference, its EOS count, the generator's log-probs."""
     K = args.num_samples
     completions = [i * K + k for i in my_prompts for k in range(K)]  # in the generator's output
     responses, has_eos = truncate_at_eos([batch["responses"][i] for i in completions],
-                                         args.response_length, eos_id)
-    scores = score_in_chunks(reward_model, [p for p in prompts for _ in range(K)], responses,
-                             has_eos, args.missing_eos_penalty, args.per_device_train_batch_size * K,
-                             pad_id, device).view(-1, K)
+                                         args.response_length, run.eos_id)
+    chunk = args.per_device_train_batch_size * K
+    scores = score_in_chunks(reward_model, [p for p in prompts for _ in range(K)], responses, has_eos,
+                             args.missing_eos_penalty, chunk, run).view(-1, K)
     chosen, rejected, valid = select_pairs(scores)
-    chosen, rejected = torch.arange(len(prompts)) * K + chosen, torch.arange(len(prompts)) * K + rejected
+    first = torch.arange(len(prompts)) * K  # each prompt's first completion
+    chosen, rejected = first + chosen, first + rejected
     generator_logps = torch.tensor([batch["logprobs"][i] for i in completions])
     return dict(prompts=prompts, chosen=[responses[i] for i in chosen],
                 rejected=[responses[i] for i in rejected], valid=valid.float(), scores=scores,
@@ -391,57 +439,50 @@ def make_pairs(batch: dict, prompts: list, my_prompts, reward_model, args: Args,
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float):
     """Per-pair DPO loss:
     -log sigmoid(beta * ((log pi(y+) - log ref(y+)) - (log pi(y-) - log ref(y-))))."""
-    chosen_margin, rejected_margin = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    chosen_margin = chosen_logps - ref_chosen_logps
+    rejected_margin = rejected_logps - ref_rejected_logps
     return -F.logsigmoid(beta * (chosen_margin - rejected_margin))
 
 
-def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, pad_id: int, device,
-               autocast) -> dict:
+def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run: core.Run) -> dict:
     """One optimizer step on a mini-batch (gradients accumulated over its micro-batches): the mean
     loss over all ranks' valid pairs (DDP/FSDP average over ranks: the world_size factor)."""
-    valid_pairs = plumbing.reduce_sums({"v": mini_batch["valid"].sum().item()}, args.world_size)
-    num_valid = max(valid_pairs["v"], 1.0)  # over all ranks
-    micro_batches, outputs = plumbing.split(mini_batch, args.gradient_accumulation_steps), []
-    for i, micro in enumerate(micro_batches):
+    valid_pairs = core.reduce_sums({"v": mini_batch["valid"].sum().item()}, args.world_size)["v"]
+    num_valid, steps = max(valid_pairs, 1.0), args.gradient_accumulation_steps
+    size, outputs = args.per_device_train_batch_size, []
+    for i in range(steps):
+        micro = {key: value[i * size: (i + 1) * size] for key, value in mini_batch.items()}
         # FSDP2 reduce-scatters every micro-batch (skipping it would hold full, unsharded float32
         # gradients); DDP all-reduces on the last one only
-        skip_sync = args.world_size > 1 and not args.fsdp and i < len(micro_batches) - 1
-        inputs, response_mask = plumbing.collate(micro["prompts"] * 2, micro["chosen"] + micro["rejected"],
-                                        pad_id, device)
-        with learner.no_sync() if skip_sync else contextlib.nullcontext(), autocast:
+        skip_sync = args.world_size > 1 and not args.fsdp and i < steps - 1
+        inputs, response_mask = collate(micro["prompts"] * 2, micro["chosen"] + micro["rejected"],
+                                        run.pad_id, run.device)
+        with learner.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast:
             logits = response_logits(learner, inputs, response_mask.shape[1])
             logps = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
             chosen_logps, rejected_logps = logps.sum(1).chunk(2)
-            losses = dpo_loss(chosen_logps, rejected_logps, micro["ref_chosen_logps"].to(device),
-                              micro["ref_rejected_logps"].to(device), args.beta)
-            ((losses * micro["valid"].to(device)).sum() * args.world_size / num_valid).backward()
+            ref_chosen, ref_rejected, valid = (micro[key].to(run.device) for key in (
+                "ref_chosen_logps", "ref_rejected_logps", "valid"))
+            losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta)
+            ((losses * valid).sum() * args.world_size / num_valid).backward()
         outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
-    grad_norm = plumbing.clip_grad_norm(learner.parameters(), args.max_grad_norm)
+    grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
-    # Sums over this rank's share, reduced over ranks, then averaged per valid pair or per prompt
+    # What the step logs: means over all ranks' valid pairs, prompts and completions
     losses, chosen_logps, rejected_logps = torch.cat(outputs, dim=1)
-    valid, scores, K = mini_batch["valid"], mini_batch["scores"], args.num_samples
+    valid, scores = mini_batch["valid"], mini_batch["scores"]
     generator_gap = torch.cat([chosen_logps - mini_batch["generator_chosen_logps"],
                                rejected_logps - mini_batch["generator_rejected_logps"]])
-    sums = plumbing.reduce_sums({
-        "loss/dpo": (losses * valid).sum().item(),
-        "logps/chosen": (chosen_logps * valid).sum().item(),
-        "logps/rejected": (rejected_logps * valid).sum().item(),
-        "logps/generator_gap": (generator_gap * valid.repeat(2)).sum().item() / 2,
-        "logps/generator_gap_sq": (generator_gap ** 2 * valid.repeat(2)).sum().item() / 2,
-        "reward/mean": scores.sum().item() / K, "reward/chosen": scores.max(1).values.sum().item(),
-        "reward/rejected": scores.min(1).values.sum().item(),
-        "pairs/valid_fraction": valid.sum().item(), "eos/fraction": mini_batch["eos"].sum().item() / K,
-    }, args.world_size)
-    stats = {k: v / (num_valid if k.startswith(("loss", "logps")) else args.batch_size)
-             for k, v in sums.items()}
-    gap_variance = stats.pop("logps/generator_gap_sq") - stats["logps/generator_gap"] ** 2
-    lengths = plumbing.length_stats(mini_batch["lengths"], 1 - mini_batch["eos"], args.world_size)
-    return {**stats, **lengths, "grad/norm": grad_norm,
-            "logps/generator_gap_std": math.sqrt(max(gap_variance, 0.0))}
+    return {"grad/norm": grad_norm, **core.step_stats(args.world_size, {
+        "loss/dpo": (losses, valid), "logps/chosen": (chosen_logps, valid),
+        "logps/rejected": (rejected_logps, valid),
+        "logps/generator_gap": (generator_gap, valid.repeat(2)), "reward/mean": scores.mean(1),
+        "reward/chosen": scores.max(1).values, "reward/rejected": scores.min(1).values,
+        "pairs/valid_fraction": valid, "eos/fraction": mini_batch["eos"].mean(1)},
+        spread=("logps/generator_gap",), lengths=mini_batch["lengths"], cut=1 - mini_batch["eos"])}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
@@ -481,14 +522,14 @@ def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
             for name, offset, shape in table]
 
 
-# --- Generator process: owns the vLLM engine -----------------------------------------------------
+# --- Generator process: owns the vLLM engine ------------------------------------------------------
 # A spawned process, not a thread (the paper's lost ~15-20% of each step to the GIL); it also keeps
 # vLLM's side effects (patched GPTNeoX classes, torch.distributed) out of the learner.
 def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list,
                    requests, results, cores: Optional[list], run_tmp_dir: str,
                    log_path: Optional[str]) -> None:
     try:
-        plumbing.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
+        generator_io.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # build the engine inside this process
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -544,68 +585,67 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
 
 
 def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list,
-                    cores: Optional[list], args: Args) -> plumbing.Generator:
+                    cores: Optional[list], args: Args) -> generator_io.Generator:
     """Spawn the generator with a one-slot queue each way."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
     log_path = None if args.verbose else os.path.join(args.output_dir, "generator.log")
-    plumbing.quiet_resource_tracker(log_path)
+    generator_io.quiet_resource_tracker(log_path)
     ctx = mp.get_context("spawn")
     requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     process = ctx.Process(target=generator_main, args=(
         engine_kwargs, weight_buffer, weight_layout, requests, results, cores, run_tmp_dir, log_path))
     process.start()
-    return plumbing.Generator(process, requests, results, run_tmp_dir, log_path)
+    return generator_io.Generator(args.rank, args.world_size, process, requests, results,
+                                  run_tmp_dir, log_path)
 
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:
     return dict(kind="train", round=round_index, weights_version=version, prompts=prompts,
                 n=args.num_samples, temperature=args.temperature, max_tokens=args.response_length,
-                seed=plumbing.sampling_seed(args.seed, "train", round_index))
+                seed=core.sampling_seed(args.seed, "train", round_index))
 
 
 def eval_request(version: int, prompts: list, args: Args, final: bool = False) -> dict:
     return dict(kind="eval", final=final, weights_version=version, prompts=prompts, n=1,
                 temperature=args.eval_temperature, max_tokens=args.eval_response_length,
-                seed=plumbing.sampling_seed(args.seed, "eval", version), requested=time.time())
+                seed=core.sampling_seed(args.seed, "eval", version), requested=time.time())
 
 
 # --- Evaluation: win rates against the reference summaries under the proxy and gold rewards -------
-def evaluation_set(eval_data, tokenizer, reward_models: dict, args: Args, pad_id: int, eos_id: int,
-                   device) -> dict:
+def evaluation_set(eval_data, tokenizer, reward_models: dict, args: Args, run: core.Run) -> dict:
     """The validation prompts (the first num_eval_prompts during training), this rank's share, and
-    the scores of their reference summaries, which never change (gold's without the EOS penalty)."""
+    its reference summaries with their scores, which never change (gold's: no missing-EOS penalty)."""
     eval_data = eval_data.select(range(min(args.num_final_eval_prompts or 10**9, len(eval_data))))
-    prompts = plumbing.tokenize_prompts(tokenizer, eval_data["query"], args.max_prompt_length)
+    prompts = core.tokenize_prompts(tokenizer, eval_data["query"], args.max_prompt_length)
     my_prompts = prompts[args.rank:: args.world_size]
     references = eval_data["reference_response"][args.rank:: args.world_size]
-    references, references_eos = truncate_at_eos(tokenizer(
-        list(references), add_special_tokens=False)["input_ids"], args.eval_response_length, eos_id)
+    references = tokenizer(list(references), add_special_tokens=False)["input_ids"]
+    references, references_eos = truncate_at_eos(references, args.eval_response_length, run.eos_id)
     reference_scores = {
         name: score_in_chunks(model, my_prompts, references, references_eos,
                               args.missing_eos_penalty if name == "proxy" else None,
-                              args.per_device_train_batch_size * args.num_samples, pad_id, device)
+                              args.per_device_train_batch_size * args.num_samples, run)
         for name, model in reward_models.items()}
     return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
                 my_prompts=my_prompts, references=dict(reference_scores, tokens=references))
 
 
-def evaluate(responses: list, prompts: list, references: dict, reward_models: dict,
-             ref_policy, args: Args, pad_id: int, eos_id: int, device, autocast) -> dict:
+def evaluate(responses: list, prompts: list, references: dict, reward_models: dict, ref_policy,
+             args: Args, run: core.Run) -> dict:
     """This rank's sums: wins against the references (a tie counts half), scores, the SFT model's
     log-probs of them."""
-    responses, has_eos = truncate_at_eos(responses, args.eval_response_length, eos_id)
+    responses, has_eos = truncate_at_eos(responses, args.eval_response_length, run.eos_id)
     chunk = args.per_device_train_batch_size * args.num_samples
     sums = {"count": len(responses), "eos": sum(has_eos)}
     # A completion that is its reference ties with it (half a win), whatever float noise says
     ties = torch.tensor([r == t for r, t in zip(responses, references["tokens"])])
     for name, model in reward_models.items():
         penalty = args.missing_eos_penalty if name == "proxy" else None  # gold: the summary as is
-        scores = score_in_chunks(model, prompts, responses, has_eos, penalty, chunk, pad_id, device)
+        scores = score_in_chunks(model, prompts, responses, has_eos, penalty, chunk, run)
         wins = (scores > references[name][: len(scores)]).float()
         sums[f"{name}_wins"] = torch.where(ties, 0.5, wins).sum().item()
         sums[f"{name}_reward"] = scores.sum().item()
-    logps = logprobs_in_chunks(ref_policy, prompts, responses, 1.0, chunk, pad_id, device,
-                               autocast).sum(1)
+    logps = logprobs_in_chunks(ref_policy, prompts, responses, 1.0, chunk, run).sum(1)
     counts = torch.tensor([len(r) for r in responses])
     # The paper's "KL" axis: per sample, exp(response NLL / (prompt + response tokens)), then mean
     lengths = torch.tensor([len(p) for p in prompts]) + counts
@@ -616,7 +656,7 @@ def evaluate(responses: list, prompts: list, references: dict, reward_models: di
 
 def eval_record(sums: dict, step: int, args: Args) -> dict:
     n = int(sums["count"])
-    record = {"step": step, "episode": plumbing.episodes_at(step, args), "eval/num_prompts": n,
+    record = {"step": step, "episode": metrics.episodes_at(step, args), "eval/num_prompts": n,
               "eval/perplexity": math.exp(-sums["logp"] / max(sums["tokens"], 1)),
               "eval/perplexity_paper": sums["paper_perplexity"] / n,
               "eval/eos_fraction": sums["eos"] / n}
@@ -630,25 +670,24 @@ def eval_record(sums: dict, step: int, args: Args) -> dict:
 
 
 def score_evaluation(message: dict, training_start: Optional[float], eval_set: dict,
-                     reward_models: dict, ref_policy, tokenizer, args: Args, device, autocast,
+                     reward_models: dict, ref_policy, tokenizer, args: Args, run: core.Run,
                      metrics_file) -> float:
     """Score an evaluation's completions on every rank, then print and log it. Returns seconds."""
-    start, (eos_id, pad_id) = time.time(), plumbing.special_ids(tokenizer)
+    start = time.time()
     responses = message["responses"][args.rank:: args.world_size]
     prompts = eval_set["my_prompts"][: len(responses)]
-    sums = evaluate(responses, prompts, eval_set["references"], reward_models, ref_policy,
-                    args, pad_id, eos_id, device, autocast)
-    sums = plumbing.reduce_sums(sums, args.world_size)
+    sums = core.reduce_sums(evaluate(responses, prompts, eval_set["references"], reward_models,
+                                     ref_policy, args, run), args.world_size)
     record = eval_record(sums, message["generation_version"], args)
-    record.update(plumbing.eval_times(message, start, training_start))
+    record.update(metrics.eval_times(message, start, training_start))
     if args.rank == 0:
-        responses = truncate_at_eos(responses[:3], args.eval_response_length, eos_id)[0]
+        responses = truncate_at_eos(responses[:3], args.eval_response_length, run.eos_id)[0]
         record["eval/samples"] = [dict(prompt=tokenizer.decode(p)[-200:], response=tokenizer.decode(r))
                                   for p, r in zip(prompts, responses)]
-        plumbing.print_evaluation(record, reward_models)
-    plumbing.log(record, metrics_file, args.track)
+        metrics.print_evaluation(record, reward_models)
+    metrics.log(record, metrics_file, args.track)
     return time.time() - start
 
 
 if __name__ == "__main__":
-    plumbing.run(main, Args, TINY_DEFAULTS)
+    launch.run(main, resolve_args(launch.parse_args(Args, TINY_DEFAULTS)))

@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -38,7 +37,8 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import async_dpo  # noqa: E402
-import plumbing  # noqa: E402
+from plumbing import checkpoint, core  # noqa: E402
+from plumbing.generator_io import Generator, GeneratorError  # noqa: E402
 
 GIB = 2**30
 PYTHIA = {  # hidden size, layers, heads (from the EleutherAI Pythia configs; vocabulary 50304, intermediate 4x hidden)
@@ -146,8 +146,7 @@ def print_estimate_table(args: Args) -> None:
 
 def dpo_args(per_device_train_batch_size: int):
     """async_dpo.py's Args for one step of one micro-batch on one learner process."""
-    run_args = async_dpo.Args(per_device_train_batch_size=per_device_train_batch_size)
-    async_dpo.compute_batch_sizes(run_args, world_size=1)
+    run_args = async_dpo.resolve_args(async_dpo.Args(per_device_train_batch_size=per_device_train_batch_size))
     run_args.batch_size = run_args.local_batch_size = per_device_train_batch_size
     run_args.gradient_accumulation_steps = 1
     return run_args
@@ -169,17 +168,18 @@ def learner_step(args: Args, device: torch.device) -> None:
 
     config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    policy = plumbing.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
+    policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
     ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
     reward_model = GPTNeoXForSequenceClassification(config).to(dtype)
     reward_model.score.float()
-    reward_model.retokenize = None  # it shares the policy's tokens (as plumbing.load_reward_models says)
+    reward_model.retokenize = None  # it shares the policy's tokens (as plumbing.reward_models says)
     reward_model = reward_model.to(device).eval().requires_grad_(False)
     table = async_dpo.weight_table(policy)
     buffer = async_dpo.make_weight_buffer(table, dtype, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
+    run = core.Run(device, autocast, 0, 0)  # the run's fixed facts (random tokens: 0 ends and pads)
     run_args = dpo_args(args.per_device_train_batch_size)
     M, vocab = args.per_device_train_batch_size, config.vocab_size
     prompts = torch.randint(1, vocab, (M, args.prompt_length)).tolist()
@@ -189,11 +189,10 @@ def learner_step(args: Args, device: torch.device) -> None:
     for step in range(2):  # the second step has the AdamW moments allocated: the steady state
         start = time.time()
         scores = async_dpo.score_in_chunks(reward_model, prompts * 2, chosen + rejected, [True] * 2 * M, -1.0, 2 * M,
-                                           0, device)
-        ref_logps = async_dpo.logprobs_in_chunks(ref_policy, prompts * 2, chosen + rejected, 0.7, 2 * M, 0, device,
-                                                 autocast).sum(1)
+                                           run)
+        ref_logps = async_dpo.logprobs_in_chunks(ref_policy, prompts * 2, chosen + rejected, 0.7, 2 * M, run).sum(1)
         mini_batch = dpo_mini_batch(prompts, chosen, rejected, (scores[:M] != scores[M:]).float(), ref_logps)
-        stats = async_dpo.dpo_update(policy, optimizer, scheduler, mini_batch, run_args, 0, device, autocast)
+        stats = async_dpo.dpo_update(policy, optimizer, scheduler, mini_batch, run_args, run)
         loss = stats["loss/dpo"]
         sync_start = time.time()
         async_dpo.write_weight_snapshot(policy, buffer, table)
@@ -216,7 +215,7 @@ def learner_step(args: Args, device: torch.device) -> None:
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    plumbing.allocate_optimizer_state(resumed)
+    checkpoint.allocate_optimizer_state(resumed)
     assert all(p.grad is None for p in policy.parameters()), "the resume's zero gradients were not freed"
     if device.type == "cuda":
         extra = (torch.cuda.max_memory_allocated(device) - before) / GIB
@@ -238,7 +237,7 @@ def precision_parity(args: Args, device: torch.device) -> None:
 
     config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    policy = plumbing.prepare_policy(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
+    policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
     reference.load_state_dict(policy.state_dict())  # what the scripts load: the SFT weights in float32
     old_regime = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
@@ -250,22 +249,25 @@ def precision_parity(args: Args, device: torch.device) -> None:
     responses = torch.randint(1, vocab, (2 * M, args.response_length)).tolist()
     chosen, rejected = responses[:M], responses[M:]
 
+    def run_in(regime) -> core.Run:  # the run's fixed facts, in one precision regime
+        return core.Run(device, regime, 0, 0)
+
     def optimizer_for(model):  # the step must not move the weights; plain SGD holds no state at all
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     def sequence_logps(model, regime) -> torch.Tensor:
-        logprobs = async_dpo.logprobs_in_chunks(model, prompts * 2, responses, temperature, 2 * M, 0, device, regime)
+        logprobs = async_dpo.logprobs_in_chunks(model, prompts * 2, responses, temperature, 2 * M, run_in(regime))
         return logprobs.sum(1)
 
     ref_logps, bf16_logps = sequence_logps(reference, autocast), sequence_logps(old_regime, no_autocast)
     policy_logps = sequence_logps(policy, autocast)  # as the update computes them (same autocast)
     ppo_prompts, ppo_responses = prompts * 2, responses  # PPO's sampler log-probs, before the sampler is freed
-    sampler_logprobs = async_ppo.logprobs_in_chunks(old_regime, ppo_prompts, ppo_responses, temperature, M, 0,
-                                                    device, no_autocast)
+    sampler_logprobs = async_ppo.logprobs_in_chunks(old_regime, ppo_prompts, ppo_responses, temperature, M,
+                                                    run_in(no_autocast))
     del reference, old_regime
     mini_batch = dpo_mini_batch(prompts, chosen, rejected, torch.ones(M), ref_logps)
-    stats = async_dpo.dpo_update(policy, *optimizer_for(policy), mini_batch, dpo_args(M), 0, device, autocast)
+    stats = async_dpo.dpo_update(policy, *optimizer_for(policy), mini_batch, dpo_args(M), run_in(autocast))
     loss = stats["loss/dpo"]
     offset, old_offset = (policy_logps - ref_logps).abs(), (policy_logps - bf16_logps).abs()
     print(f"(d) DPO step 0: loss {loss:.6f} (ln 2 = {math.log(2):.6f}); |log pi - log pi_ref| per sequence "
@@ -276,12 +278,12 @@ def precision_parity(args: Args, device: torch.device) -> None:
 
     print_peak_memory("(d) DPO", device)
     # PPO: per-token ratios at step 0, pi_old from the learner's rollout pass or from the bfloat16 sampler
-    value_model = plumbing.prepare_policy(GPTNeoXForSequenceClassification(config).to(device), True)
+    value_model = core.train_without_dropout(GPTNeoXForSequenceClassification(config).to(device), True)
     model = async_ppo.PolicyAndValue(policy, value_model)
-    learner_logprobs, values = async_ppo.rollout_in_chunks(model, ppo_prompts, ppo_responses, temperature, M, 0,
-                                                           device, autocast)
+    learner_logprobs, values = async_ppo.rollout_in_chunks(model, ppo_prompts, ppo_responses, temperature, M,
+                                                           run_in(autocast))
     n, width = len(ppo_prompts), args.response_length
-    logged_only = dict(kl=torch.zeros(n), scores=torch.zeros(n), eos=torch.zeros(n))  # (they feed the logs only)
+    logged_only = dict(scores=torch.zeros(n), eos=torch.zeros(n))  # (they feed the logs only)
     log_ratio = learner_logprobs - sampler_logprobs  # log pi_old - log mu per token (mu: the sampler)
     is_factor, is_changed = async_ppo.importance_correction(log_ratio.exp(), one_step_args(async_ppo, n))
     for name, old_logprobs in (("recomputed", learner_logprobs), ("sampler's", sampler_logprobs)):
@@ -290,9 +292,9 @@ def precision_parity(args: Args, device: torch.device) -> None:
                           response_mask=torch.ones(n, width), generator_gap=torch.zeros(n),
                           explained_variance=[0.0] * n, learner_log_ratio=log_ratio, is_weights=log_ratio.exp(),
                           is_factor=is_factor, is_changed=is_changed, is_terms=torch.ones(n, width).bool(),
-                          **logged_only)
-        stats = async_ppo.ppo_update(model, *optimizer_for(model), mini_batch, one_step_args(async_ppo, n), 0,
-                                     device, autocast)
+                          **logged_only, kl=torch.zeros(n, width))
+        stats = async_ppo.ppo_update(model, *optimizer_for(model), mini_batch, one_step_args(async_ppo, n),
+                                     run_in(autocast))
         print(f"(d) PPO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "
               f"{stats['policy/ratio_max']:.4f}, clip fraction {stats['policy/clipfrac']:.4f}", flush=True)
         if name == "recomputed":
@@ -303,15 +305,15 @@ def precision_parity(args: Args, device: torch.device) -> None:
     print_peak_memory("(d) PPO", device)
     del model, value_model
     # RLOO: sequence-level ratios (a sum over the response's tokens, so per-token differences add up)
-    learner_seq = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M, 0, device,
-                                               autocast).sum(1)
+    learner_seq = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M,
+                                               run_in(autocast)).sum(1)
     for name, old_logps in (("recomputed", learner_seq), ("sampler's", bf16_logps)):
         mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logps=old_logps,
                           advantages=torch.randn(n), generator_logps=old_logps, rewards=torch.zeros(n),
                           advantage_std=[1.0] * n, response_mask=torch.ones(n, width), is_factor=torch.ones(n),
-                          **logged_only)
-        stats = async_rloo.rloo_update(policy, *optimizer_for(policy), mini_batch, one_step_args(async_rloo, n), 0,
-                                       device, autocast)
+                          **logged_only, kl=torch.zeros(n))
+        stats = async_rloo.rloo_update(policy, *optimizer_for(policy), mini_batch, one_step_args(async_rloo, n),
+                                       run_in(autocast))
         print(f"(d) RLOO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "
               f"{stats['policy/ratio_max']:.4f}, clip fraction {stats['policy/clipfrac']:.4f}", flush=True)
         if name == "recomputed":
@@ -331,6 +333,7 @@ def one_step_args(script, rows: int):
     """A script's Args for one optimizer step of one micro-batch of `rows` completions on one learner process."""
     run_args = script.Args(num_samples=1)
     run_args.world_size, run_args.batch_size, run_args.gradient_accumulation_steps = 1, rows, 1
+    run_args.per_device_train_batch_size = rows
     return run_args
 
 
@@ -381,35 +384,29 @@ def ready_main(results) -> None:
 
 def collectives_worker() -> None:
     """(b) One torchrun rank: the scripts' process group, the generator's "ready" taken by every rank at the same
-    point (where plumbing.shares_gpu0 puts it), their reduce_sums and share, and a DDP step."""
+    point (where plumbing.core.shares_gpu0 puts it), the generator's error raised on every rank, reduce_sums, and
+    a DDP step."""
     use_cuda = torch.cuda.is_available()
-    plumbing.init_learner_group(use_cuda)
+    core.init_learner_group(use_cuda)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    generator, ranks = None, SimpleNamespace(rank=rank, world_size=world_size)
+    generator = Generator(rank, world_size)  # (rank 0: a stand-in generator process, below)
     if rank == 0:
         ctx = mp.get_context("spawn")
         requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
         process = ctx.Process(target=ready_main, args=(results,))
         process.start()
-        generator = plumbing.Generator(process, requests, results, tempfile.mkdtemp())
-    shares = plumbing.shares_gpu0()  # one GPU, two learners: rank 0 beside the "generator" on GPU 0
+        generator = Generator(0, world_size, process, requests, results, tempfile.mkdtemp())
+    shares = core.shares_gpu0()  # one GPU, two learners: rank 0 beside the "generator" on GPU 0
     decisions = [None] * world_size
     torch.distributed.all_gather_object(decisions, shares)
     assert len(set(decisions)) == 1, f"the ranks disagree on when to take the generator's ready: {decisions}"
     if shares:
-        assert plumbing.collect(generator, ranks)["kind"] == "ready"
-    sums = plumbing.reduce_sums({"rank": float(rank), "one": 1.0}, world_size)
+        assert generator.collect()["kind"] == "ready"
+    sums = core.reduce_sums({"rank": float(rank), "one": 1.0}, world_size)
     assert sums == {"rank": sum(range(world_size)), "one": world_size}, sums
-    message = plumbing.share({"kind": "train", "round": 3} if rank == 0 else None, rank, world_size)
-    assert message == {"kind": "train", "round": 3}, message
-    try:
-        plumbing.share(plumbing.GeneratorError("test") if rank == 0 else None, rank, world_size)
-        raise AssertionError("share did not raise the generator's error")
-    except plumbing.GeneratorError:
-        pass
     if not use_cuda or torch.cuda.device_count() >= world_size:  # NCCL needs one GPU per rank
         model = torch.nn.Linear(4, 1).to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if use_cuda else None,
@@ -425,12 +422,18 @@ def collectives_worker() -> None:
     else:
         backend = "skipped (NCCL needs a GPU per rank; this machine has one)"
     if not shares:
-        assert plumbing.collect(generator, ranks)["kind"] == "ready"
+        assert generator.collect()["kind"] == "ready"
+    generator.error = GeneratorError("test") if rank == 0 else None  # (as a death noticed while sending)
+    try:
+        generator.collect()
+        raise AssertionError("collect did not raise the generator's error on every rank")
+    except GeneratorError:
+        pass
     if rank == 0:
-        plumbing.stop_generator(generator)
+        generator.stop()
         print(f"(b) the generator's ready taken by every rank {'before' if shares else 'after'} the models, as "
-              f"plumbing.shares_gpu0 says; reduce_sums and share over gloo: ok; DDP gradient all-reduce: {backend}",
-              flush=True)
+              f"plumbing.core.shares_gpu0 says; its error raised on every rank; reduce_sums over gloo: ok; "
+              f"DDP gradient all-reduce: {backend}", flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -66,6 +66,7 @@ class Args:
     benchmark works, measures nothing"""
 
 
+IS_METRICS = ("is/weight_min", "is/weight_max", "is/ess_fraction", "is/changed_fraction")
 VARIANTS = {  # name: (flags, label in the table)
     "plain": ([], ""),
     "recompute": (["--recompute_old_logprobs"], " (recompute pi_old)"),
@@ -86,7 +87,8 @@ def run(args: Args, algorithm: str, n: int, seed: int, variant: str, output_dir:
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     evals = [r for r in records if "eval/gold_win_rate" in r]
     steps = [r for r in records if "staleness" in r]
-    return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps],
+    weights = {key: [r[key] for r in steps] for key in IS_METRICS if key in steps[0]}  # (corrected runs)
+    return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps], weights=weights,
                 seconds=time.time() - start)
 
 
@@ -148,6 +150,15 @@ if __name__ == "__main__":
         print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {staleness[0]}..{staleness[-1]} | " + " | ".join(
             fmt(values, 2 if name == "perplexity" else 3) for name, values in table[algorithm, n, variant].items())
             + f" | {statistics.mean(r['seconds'] for r in seeds):.0f} s |")
+    corrected = [(a, n) for a, n, v in points if v == "corrected"]
+    if corrected:
+        print("\nThe sampler's importance weights w of the corrected runs, over every step of every seed:")
+        for algorithm, n in corrected:
+            weights = [runs[algorithm, n, "corrected", s]["weights"] for s in args.seeds]
+            print(f"  {algorithm} N = {n}: w from {min(min(w['is/weight_min']) for w in weights):.2f} to "
+                  f"{max(max(w['is/weight_max']) for w in weights):.2f}, ESS at least "
+                  f"{min(min(w['is/ess_fraction']) for w in weights):.1%} of n, the cap changed at most "
+                  f"{max(max(w['is/changed_fraction']) for w in weights):.1%} of a step's terms")
     print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min")
 
     import matplotlib

@@ -1,7 +1,7 @@
 """What a reward model with a tokenizer of its own costs: one tiny-world round's scoring (the demo's 32 prompts x 2
 samples) by the proxy reward model, through the direct path (the policy's token ids are the reward model's) and
 through the re-tokenising one (the same texts, tokenised by another tokenizer, then decoded and re-tokenised for the
-reward model: plumbing.retokenize), each timed over repeats on one core (the learner's share of two).
+reward model: plumbing.reward_models.retokenize), each timed over repeats on one core (the learner's share of two).
 
     python benchmarks/reward_tokenizer_cost.py
 """
@@ -18,9 +18,10 @@ import tyro
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import plumbing  # noqa: E402
 import tiny_world  # noqa: E402
 from async_dpo import score_in_chunks  # noqa: E402
+from plumbing import core  # noqa: E402
+from plumbing.reward_models import load_reward_model, reward_tokenizer  # noqa: E402
 
 
 @dataclass
@@ -53,21 +54,23 @@ if __name__ == "__main__":
     has_eos = [True] * len(rows)
 
     def encoded(tokenizer) -> tuple[list, list]:
-        prompts = plumbing.tokenize_prompts(tokenizer, [r["query"] for r in rows], 512)
+        prompts = core.tokenize_prompts(tokenizer, [r["query"] for r in rows], 512)
         summaries = [r["reference_response"].removesuffix(tiny_world.EOS) for r in rows]
         return prompts, [s + [tokenizer.eos_token_id] for s in tokenizer(summaries, add_special_tokens=False)[
             "input_ids"]]
 
-    reward_model = plumbing.load_reward_model("reward_model_path", proxy, torch.float32, torch.device("cpu"))
+    reward_model = load_reward_model("reward_model_path", proxy, torch.float32, torch.device("cpu"))
     (own_prompts, own_responses), (other_prompts, other_responses) = encoded(own), encoded(other)
     chunk = 32  # the demo's: per_device_train_batch_size x num_samples
+    no_autocast = torch.autocast("cpu", enabled=False)
     direct = timed(lambda: score_in_chunks(reward_model, own_prompts, own_responses, has_eos, -1.0, chunk,
-                                           own.eos_token_id, torch.device("cpu")), args.repeats)
-    reward_model.retokenize = plumbing.reward_tokenizer("reward_model_path", proxy, reward_model, other, texts[:16],
-                                                        False, 0)
+                                           core.Run(torch.device("cpu"), no_autocast, own.eos_token_id,
+                                                    own.eos_token_id)), args.repeats)
+    reward_model.retokenize = reward_tokenizer("reward_model_path", proxy, reward_model, other, texts[:16], False, 0)
     text_only = timed(lambda: reward_model.retokenize(other_prompts, other_responses, has_eos), args.repeats)
     retokenised = timed(lambda: score_in_chunks(reward_model, other_prompts, other_responses, has_eos, -1.0, chunk,
-                                                other.eos_token_id, torch.device("cpu")), args.repeats)
+                                                core.Run(torch.device("cpu"), no_autocast, other.eos_token_id,
+                                                         other.eos_token_id)), args.repeats)
 
     def spread(times: list[float]) -> str:
         return f"{statistics.median(times):.1f} ms (min {min(times):.1f}, max {max(times):.1f})"

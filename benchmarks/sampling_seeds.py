@@ -37,19 +37,17 @@ def main(args: Args) -> None:
     from vllm.inputs import TokensPrompt
 
     import async_dpo
-    import plumbing
-    import tiny_world
+    from plumbing import core
 
     torch.set_num_threads(1)
-    run_args = async_dpo.Args(model="tiny", **async_dpo.TINY_DEFAULTS)
-    run_args.sft_model_path, _, data, _ = tiny_world.build_tldr(args.tiny_dir)
-    run_args.dtype = "float32"
-    async_dpo.compute_batch_sizes(run_args, world_size=1)
+    run_args = async_dpo.resolve_args(async_dpo.Args(model="tiny", tiny_dir=args.tiny_dir,
+                                                     **async_dpo.TINY_DEFAULTS))
+    data = run_args.dataset
     llm = LLM(**async_dpo.engine_kwargs(run_args, AutoConfig.from_pretrained(run_args.sft_model_path), False))
     tokenizer = AutoTokenizer.from_pretrained(run_args.sft_model_path)
     queries = [json.loads(line)["query"] for line in open(os.path.join(data, "validation.jsonl"))]
     prompts = [TokensPrompt(prompt_token_ids=p)
-               for p in plumbing.tokenize_prompts(tokenizer, queries, run_args.max_prompt_length)]
+               for p in core.tokenize_prompts(tokenizer, queries, run_args.max_prompt_length)]
     kinds = {"training round (32 prompts x 2)": (prompts[:32], 2, run_args.temperature),
              "evaluation (128 prompts x 1)": (prompts[:128], 1, run_args.eval_temperature)}
     print("| request | with a seed per prompt (ms) | without seeds (ms) | cost of the seeds |\n|---|---|---|---|")

@@ -2,7 +2,8 @@
 --script) and a longer, hotter run that shows reward over-optimisation, each over several seeds.
 
 Prints, per run and as mean +- standard deviation over seeds, the gold and proxy win rates, mean scores and the
-perplexity before and after, and saves two plots:
+perplexity before and after, each demo's wall time and peak memory (the resident memory of the learner and the
+generator processes together, sampled every 0.1 s), and saves two plots:
   tiny_demo.png               gold and proxy win rate, mean scores, and gold win rate against perplexity (the
                               paper's KL axis) for the demo (tiny_demo_ppo.png for --script async_ppo.py, ...)
   tiny_overoptimisation.png   proxy and gold mean scores over the long run (4x the episodes at 3x the learning rate)
@@ -11,14 +12,17 @@ perplexity before and after, and saves two plots:
     python benchmarks/tiny_curves.py --quick    # one short run of each, for CI
     python benchmarks/tiny_curves.py --script async_ppo.py --no-long_run   # the PPO demo, ~4 minutes
 """
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
+import psutil
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,12 +50,23 @@ class Args:
 
 
 def run(output_dir: str, args: Args, seed: int, *flags: str) -> list[dict]:
-    """Run the demo's command with extra flags; return its evaluation records."""
-    subprocess.run([sys.executable, os.path.join(REPO, args.script), "--model", "tiny", "--tiny_dir", args.tiny_dir,
-                    "--seed", str(seed), "--output_dir", output_dir, *flags], check=True, cwd=REPO,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Run the demo's command with extra flags; return its evaluation records (the last one with the run's wall
+    time and peak memory)."""
+    start, peak = time.time(), 0
+    process = subprocess.Popen([sys.executable, os.path.join(REPO, args.script), "--model", "tiny", "--tiny_dir",
+                                args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, *flags], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while process.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree))
+        time.sleep(0.1)
+    if process.returncode:
+        raise SystemExit(f"{args.script} failed (exit code {process.returncode})")
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
-    return [r for r in records if "eval/gold_win_rate" in r]
+    evals = [r for r in records if "eval/gold_win_rate" in r]
+    evals[-1].update(wall_seconds=time.time() - start, peak_gib=peak / 2**30)
+    return evals
 
 
 def spread(values: list[float]) -> str:
@@ -88,6 +103,8 @@ if __name__ == "__main__":
                 print(f"seed {seed}: long run ...", flush=True)
                 long[seed] = run(os.path.join(tmp, f"long{seed}"), args, seed, *long_flags)
     report(f"demo (python {args.script} --model tiny)", demo)
+    print(f"  wall time (world built)  {spread([e[-1]['wall_seconds'] for e in demo.values()])} s; peak memory of "
+          f"the learner and generator processes {spread([e[-1]['peak_gib'] for e in demo.values()])} GiB")
     if args.long_run:
         report(f"long run (--total_episodes {args.long_episodes} --learning_rate {args.long_learning_rate})", long)
     for seed, evals in long.items():

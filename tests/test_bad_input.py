@@ -34,6 +34,8 @@ def test_bad_flags_are_rejected_early(tiny_dir, tmp_path, flags, message):
     ("async_ppo.py", ["--is_correction", "truncate"], "--is_correction needs --recompute_old_logprobs"),
     ("async_rloo.py", ["--is_correction", "mask"], "--is_correction needs --recompute_old_logprobs"),
     ("async_rloo.py", ["--is_cap", "0.5", "--is_cap_low", "0.8"], "--is_cap_low and --is_cap"),
+    ("sync_baseline.py", ["--num_samples", "1"], "--num_samples"),
+    ("sync_baseline.py", ["--batch_size", "30"], "--per_device_train_batch_size"),
     ("gsm8k_async_dpo.py", ["--num_samples", "1"], "--num_samples"),
     ("gsm8k_async_dpo.py", ["--eval_temperature", "-1"], "--eval_temperature"),
     ("gsm8k_async_dpo.py", ["--dataset", "/no/such/folder"], "--dataset /no/such/folder"),

@@ -55,6 +55,8 @@ def test_tiny_curves_quick(tiny_dir, tmp_path):
                         script=os.path.join("benchmarks", "tiny_curves.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gold win rate" in result.stdout and "perplexity (paper's)" in result.stdout
+    memory = float(result.stdout.split("generator processes ")[1].split()[0])
+    assert 0.3 < memory < 20, result.stdout  # GiB: both processes' models and vLLM, well under the machine's
     for name in ("tiny_demo.png", "tiny_overoptimisation.png"):
         assert (tmp_path / name).stat().st_size > 1000
 
@@ -64,8 +66,8 @@ def test_gpu_check_runs_on_the_cpu():
     them on the CPU, which keeps it working until a GPU runs it."""
     result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    for check in ("(a) step 1", "(b) the generator's ready taken by every rank", "reduce_sums and share over gloo: ok",
-                  "(c) version 5", "all checks passed"):
+    for check in ("(a) step 1", "(b) the generator's ready taken by every rank", "its error raised on every rank",
+                  "reduce_sums over gloo: ok", "(c) version 5", "all checks passed"):
         assert check in result.stdout, result.stdout
 
 
@@ -102,14 +104,16 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     rows = [line for line in result.stdout.splitlines() if line.startswith("| dpo |")]
     assert [row.split(" | ")[1:3] for row in rows] == [["1", "0..1"], ["2", "0..3"]], result.stdout
     assert "| rloo (recompute + truncated IS) | 2 | 0..3 |" in result.stdout  # the off-policy correction
+    assert "rloo N = 2: w from " in result.stdout  # and the weights it applied, summarised
     corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
     assert len(corrected) == 256 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
     for name in ("off_policy_frontier.png", "off_policy_by_n.png"):
         assert (tmp_path / name).stat().st_size > 1000
     for n in (1, 2):
         steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
-        assert 0 <= evals[-1]["eval/gold_win_rate"] <= 1
         assert len(steps) == 256 // 16  # (the sweep's batch: 16 prompts a step)
+        final, n_prompts = evals[-1], evals[-1]["eval/num_prompts"]  # the table's figure: the final evaluation's
+        assert final["step"] == len(steps) and (2 * final["eval/gold_win_rate"] * n_prompts).is_integer()
         assert [r["staleness"] for r in steps] == ([0] + [1] * 15 if n == 1 else [0, 1] + [2, 3] * 7)
         for r in steps:
             position = (r["step"] - 1) % n  # the mini-batch's place in its round

@@ -11,7 +11,7 @@ import psutil
 import pytest
 from conftest import REPO, TORCHRUN_2, run_script, start_as_a_foreground_job
 
-import plumbing
+from plumbing import core
 
 STOPS_WITHIN = 30  # seconds from a dead generator or Ctrl-C to the learner's exit (about 4 s on 2 idle cores)
 
@@ -72,6 +72,33 @@ def test_killed_generator_stops_the_learner(tiny_dir, tmp_path):
     assert "KeyError" in (tmp_path / "generator.log").read_text()  # (where the relaunched tracker wrote)
 
 
+def test_sigterm_without_save_every_exits_at_once(tiny_dir, tmp_path):
+    """A scheduler's SIGTERM to the whole process group, without --save_every: the learner exits with 143 at
+    once, with no checkpoint, and nothing it started outlives it."""
+    def sigterm(process: subprocess.Popen, _) -> None:
+        os.killpg(process.pid, signal.SIGTERM)
+
+    elapsed, code, stderr = stop_mid_training(tiny_dir, str(tmp_path), sigterm)
+    assert elapsed < STOPS_WITHIN and code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_the_generator_ignores_sigterm(tiny_dir, tmp_path):
+    """A scheduler signals the whole process group, and the learner decides what follows (with --save_every it
+    may need the generator for the evaluations it scores before saving): the generator itself ignores SIGTERM and
+    keeps serving."""
+    process = start(tiny_dir, str(tmp_path), "--total_episodes", "100000")
+    children = wait_for_training(process, str(tmp_path))
+    generator_of(children).send_signal(signal.SIGTERM)
+    logged = open(tmp_path / "metrics.jsonl").read().count('"loss/dpo"')
+    time.sleep(5)
+    assert generator_of(children).is_running() and process.poll() is None
+    assert open(tmp_path / "metrics.jsonl").read().count('"loss/dpo"') > logged  # it went on generating
+    os.killpg(process.pid, signal.SIGINT)
+    process.communicate(timeout=300)
+    assert_all_gone(children)
+
+
 def run_two_ranks(program: str, folder) -> str:
     """One of tests/two_ranks.py's programs on two torchrun ranks; returns what they printed."""
     result = subprocess.run([*TORCHRUN_2, os.path.join(REPO, "tests", "two_ranks.py"), program, str(folder)],
@@ -107,9 +134,9 @@ def test_every_rank_takes_the_generators_ready_at_the_same_point(gpus, learners,
     alone, so every rank computes the same one (rank 0 alone used to wait for "ready" first, and rank 1 waited in
     DDP's set-up while rank 0 waited for it). Each learner gets a GPU of its own, GPU 0 shared only when none is
     spare."""
-    assert plumbing.shares_gpu0(gpus, learners) == shares
+    assert core.shares_gpu0(gpus, learners) == shares
     if gpus:
-        devices = [plumbing.learner_gpu(rank, gpus, learners) for rank in range(learners)]
+        devices = [core.learner_gpu(rank, gpus, learners) for rank in range(learners)]
         assert len(set(devices)) == learners and max(devices) < gpus and (0 in devices) == shares
 
 

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import async_dpo
-import plumbing
+from plumbing import core, generator_io
 
 
 def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
@@ -20,7 +20,7 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     buffer = async_dpo.make_weight_buffer(table, torch.float32, torch.device("cpu"))
     # Prompts longer than vLLM's CPU KV block (128 tokens), so that the prefix cache really holds them
     post = " ".join(["my roommate said the rent was late again and my landlord called"] * 12)
-    prompts = plumbing.tokenize_prompts(
+    prompts = core.tokenize_prompts(
         tokenizer, [f"SUBREDDIT: r/cats\n\nTITLE: my {w}\n\nPOST: {post}\n\nTL;DR:" for w in ("cat", "dog")], 300)
     assert min(len(p) for p in prompts) > 128
 
@@ -38,12 +38,12 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
                             args=(engine, buffer, table, requests, results, None, tempfile.mkdtemp(), None))
     generator.start()
     try:
-        assert plumbing.receive(results, generator)["kind"] == "ready"
+        assert generator_io.receive(results, generator)["kind"] == "ready"
 
         def generate(version: int) -> dict:
-            plumbing.send(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
+            generator_io.send(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
                                           temperature=0.0, max_tokens=12, seed=version), generator)
-            return plumbing.receive(results, generator)
+            return generator_io.receive(results, generator)
 
         def cut(tokens: list) -> list:  # HF keeps generating pads after EOS; vLLM stops
             return tokens[: tokens.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in tokens else tokens

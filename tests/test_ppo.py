@@ -13,8 +13,16 @@ from test_end_to_end import (
 )
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from async_ppo import PolicyAndValue, compute_gae, per_token_rewards, ppo_losses, token_entropy, token_logprobs, whiten
-from plumbing import collate
+from async_ppo import (
+    PolicyAndValue,
+    collate,
+    compute_gae,
+    per_token_rewards,
+    ppo_losses,
+    token_entropy,
+    token_logprobs,
+    whiten,
+)
 
 CPU = torch.device("cpu")
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "loss/value", "policy/clipfrac", "policy/approx_kl",
@@ -156,7 +164,8 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
     assert_win_rate_rises(evals[0], evals[-1], "proxy")
     assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"]
     assert_win_rate_rises(evals[0], evals[-1], "gold")
-    assert 0 <= first["value/clipfrac"] <= 1 and steps[-1]["loss/value"] < steps[0]["loss/value"]
+    # Step 1 trains the weights that scored the batch: no value is clipped yet; the value model then learns
+    assert first["value/clipfrac"] < 0.01 and steps[-1]["loss/value"] < steps[0]["loss/value"]
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
 
 

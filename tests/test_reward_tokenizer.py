@@ -1,5 +1,5 @@
 """A reward model with a tokenizer of its own: the policy's completions are decoded to text and re-tokenised the
-reward model's way (plumbing.reward_tokenizer, plumbing.retokenize), which must score a text exactly as the reward
+reward model's way (plumbing.reward_models), which must score a text exactly as the reward
 model scores that text tokenised its own way; with --reward_chat_template, the text goes through its chat template;
 a tokenizer that cannot encode the text is refused at start-up."""
 import json
@@ -13,9 +13,10 @@ from test_end_to_end import read_metrics
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
 
-import plumbing
 import tiny_world
 from async_dpo import score_in_chunks
+from plumbing import core
+from plumbing.reward_models import load_reward_model, reward_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -35,7 +36,7 @@ def summary(row: dict) -> str:
 
 def tokenized(tokenizer, rows: list[dict], has_eos: list[bool]) -> tuple[list, list]:
     """Prompts as the scripts tokenise them, and the reference summaries as completions (EOS where asked)."""
-    prompts = plumbing.tokenize_prompts(tokenizer, [r["query"] for r in rows], 400)
+    prompts = core.tokenize_prompts(tokenizer, [r["query"] for r in rows], 400)
     summaries = tokenizer([summary(r) for r in rows], add_special_tokens=False)["input_ids"]
     return prompts, [s + [tokenizer.eos_token_id] * eos for s, eos in zip(summaries, has_eos)]
 
@@ -47,24 +48,29 @@ def test_retokenised_scores_equal_the_reward_models_own(tiny_dir, capsys):
     own_prompts, own_responses = tokenized(own, rows, has_eos)
     assert [len(p) for p in policy_prompts] != [len(p) for p in own_prompts]  # the text splits differently
 
-    reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
-    direct = score_in_chunks(reward_model, own_prompts, own_responses, has_eos, None, 8, own.eos_token_id, CPU)
-    reward_model.retokenize = plumbing.reward_tokenizer("reward_model_path", os.path.join(tiny_dir, "proxy"),
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
+    direct = score_in_chunks(reward_model, own_prompts, own_responses, has_eos, None, 8, on_cpu(own.eos_token_id))
+    reward_model.retokenize = reward_tokenizer("reward_model_path", os.path.join(tiny_dir, "proxy"),
                                                         reward_model, policy_tokenizer,
                                                         [r["query"] for r in rows], False, 0)
     assert reward_model.retokenize is not None and "its own tokenizer" in capsys.readouterr().out
     retokenised = score_in_chunks(reward_model, policy_prompts, policy_responses, has_eos, None, 8,
-                                  policy_tokenizer.eos_token_id, CPU)
+                                  on_cpu(policy_tokenizer.eos_token_id))
     torch.testing.assert_close(retokenised, direct, atol=1e-5, rtol=1e-5)
     # the missing-EOS rule follows the policy's EOS, whatever the reward model's is
     penalised = score_in_chunks(reward_model, policy_prompts, policy_responses, has_eos, -7.0, 8,
-                                policy_tokenizer.eos_token_id, CPU)
+                                on_cpu(policy_tokenizer.eos_token_id))
     assert penalised.tolist() == [s if eos else -7.0 for s, eos in zip(retokenised.tolist(), has_eos)]
 
     # the policy's own tokenizer: its ids as they are, no decoding
-    assert plumbing.reward_tokenizer("reward_model_path", os.path.join(tiny_dir, "proxy"), reward_model, own,
+    assert reward_tokenizer("reward_model_path", os.path.join(tiny_dir, "proxy"), reward_model, own,
                                      [r["query"] for r in rows], False, 0) is None
     assert "the policy's tokenizer" in capsys.readouterr().out
+
+
+def on_cpu(pad_id: int) -> core.Run:
+    """The run's fixed facts for scoring on CPU, padding with `pad_id` (the reward model re-tokenises: its own)."""
+    return core.Run(CPU, torch.autocast("cpu", enabled=False), pad_id, pad_id)
 
 
 def reward_model_with(tiny_dir: str, folder, tokenizer):
@@ -82,8 +88,8 @@ def test_chat_template_formats_prompt_and_completion(tiny_dir, tmp_path, capsys)
     path = reward_model_with(tiny_dir, tmp_path / "chat", own)
     rows = validation_rows(tiny_dir, 4)
     prompts, responses = tokenized(own, rows, [True] * 4)
-    reward_model = plumbing.load_reward_model("reward_model_path", path, torch.float32, CPU)
-    retokenize = plumbing.reward_tokenizer("reward_model_path", path, reward_model, own, [r["query"] for r in rows],
+    reward_model = load_reward_model("reward_model_path", path, torch.float32, CPU)
+    retokenize = reward_tokenizer("reward_model_path", path, reward_model, own, [r["query"] for r in rows],
                                            True, 0)
     assert retokenize is not None and "chat template" in capsys.readouterr().out  # the same tokenizer, templated
     ids, empty, pad_id = retokenize(prompts, responses, [True] * 4)
@@ -92,11 +98,11 @@ def test_chat_template_formats_prompt_and_completion(tiny_dir, tmp_path, capsys)
         assert own.decode(sequence) == (f"user: {row['query']}\nassistant: {summary(row)}\n"
                                         f"{own.eos_token}")
     reward_model.retokenize = retokenize
-    assert torch.isfinite(score_in_chunks(reward_model, prompts, responses, [True] * 4, None, 4, pad_id, CPU)).all()
+    assert torch.isfinite(score_in_chunks(reward_model, prompts, responses, [True] * 4, None, 4, on_cpu(pad_id))).all()
 
     # asked for, without a template to use: refused
     with pytest.raises(SystemExit):
-        plumbing.reward_tokenizer("reward_model_path", os.path.join(tiny_dir, "proxy"), reward_model, own,
+        reward_tokenizer("reward_model_path", os.path.join(tiny_dir, "proxy"), reward_model, own,
                                   ["a text"], True, 0)
     assert "--reward_chat_template" in capsys.readouterr().err
 
@@ -110,10 +116,10 @@ def test_a_tokenizer_that_cannot_encode_the_text_is_refused(tiny_dir, tmp_path, 
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     own = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="</s>", unk_token="[UNK]" if unk else None)
     path = reward_model_with(tiny_dir, tmp_path / "words", own)
-    reward_model = plumbing.load_reward_model("reward_model_path", path, torch.float32, CPU)
+    reward_model = load_reward_model("reward_model_path", path, torch.float32, CPU)
     policy_tokenizer = AutoTokenizer.from_pretrained(os.path.join(tiny_dir, "sft"))
     with pytest.raises(SystemExit):
-        plumbing.reward_tokenizer("reward_model_path", path, reward_model, policy_tokenizer,
+        reward_tokenizer("reward_model_path", path, reward_model, policy_tokenizer,
                                   [r["query"] for r in validation_rows(tiny_dir, 4)], False, 0)
     err = capsys.readouterr().err
     assert f"--reward_model_path {path}" in err
@@ -148,4 +154,4 @@ def test_a_policy_with_another_vocabulary_trains(tiny_dir, other_vocabulary_poli
         assert f"{flag}: its own tokenizer" in result.stdout, result.stdout
     steps, evals = read_metrics(tmp_path, step_metric="reward/mean", eval_metric="eval/gold_win_rate")
     assert len(steps) == 4 and all(torch.isfinite(torch.tensor(r["reward/mean"])) for r in steps)
-    assert all(0 <= r["eval/gold_win_rate"] <= 1 for r in evals)
+    assert [(r["step"], r["eval/num_prompts"]) for r in evals] == [(0, 32), (2, 32), (4, 32)]  # scored as text

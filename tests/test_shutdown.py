@@ -17,7 +17,7 @@ from test_failures import assert_all_gone, generator_of
 PENDING_REQUEST = r"""
 import multiprocessing as mp, sys, tempfile, time
 sys.path.insert(0, sys.argv[1])
-from plumbing import Generator, send, stop_generator
+from plumbing.generator_io import Generator, send
 
 def busy_generator(requests) -> None:
     time.sleep(600)
@@ -30,7 +30,7 @@ if __name__ == "__main__":
     send(requests, dict(kind="eval", prompts=[[i % 1000] * 500 for i in range(512)]), generator)  # ~1 MB pickled
     time.sleep(1)
     generator.kill()
-    stop_generator(Generator(generator, requests, results, tempfile.mkdtemp()))
+    Generator(0, 1, generator, requests, results, tempfile.mkdtemp()).stop()
     print("stopped", flush=True)
 """
 
@@ -125,9 +125,11 @@ def test_normal_end_with_evaluations_every_round(tiny_dir, long_prompts, tmp_pat
     """Every round requests a ~160 KB evaluation, the last round's included: the run ends cleanly, having scored
     every evaluation it asked for."""
     process = start_long_run(tiny_dir, long_prompts, str(tmp_path), "--total_episodes", "64")
-    while steps_logged(str(tmp_path)) < 1 and process.poll() is None:
+    children = []  # the generator (and the resource tracker), seen while the run is going
+    while process.poll() is None and len(children) < 2:
+        children = psutil.Process(process.pid).children(recursive=True)
         time.sleep(0.2)
-    children = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
+    assert generator_of(children), "the run ended before its generator was seen"
     metrics = tmp_path / "metrics.jsonl"
     assert_clean_exit(process, None, 0)
     assert time.time() - os.path.getmtime(metrics) < 60  # from its last record (the final evaluation) to its exit

@@ -21,7 +21,7 @@ def word_tokenizer(add_bos_token: bool) -> PreTrainedTokenizerFast:
                                    add_bos_token=add_bos_token)
 
 
-@pytest.mark.parametrize("script", ["plumbing", "gsm8k_async_dpo"])  # (the TL;DR scripts use plumbing's)
+@pytest.mark.parametrize("script", ["plumbing.core", "gsm8k_async_dpo"])  # (the TL;DR scripts use the core's)
 def test_prompts_start_with_bos_when_the_tokenizer_adds_one(script):
     """rho-1b's Llama tokenizer adds BOS and its SFT saw it; Pythia's does not. Truncation keeps BOS and the end."""
     tokenize_prompts = importlib.import_module(script).tokenize_prompts
@@ -37,7 +37,7 @@ def test_prompts_start_with_bos_when_the_tokenizer_adds_one(script):
 def test_float16_training_is_refused(script, capsys):
     module = importlib.import_module(script)
     with pytest.raises(SystemExit):
-        module.compute_batch_sizes(module.Args(dtype="float16"), world_size=1)
+        module.resolve_args(module.Args(dtype="float16"))
     assert "--dtype float16" in capsys.readouterr().err
 
 

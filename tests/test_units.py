@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import plumbing
 from async_dpo import (
     Args,
-    compute_batch_sizes,
+    collate,
     dpo_loss,
     eval_record,
     evaluate,
     make_weight_buffer,
+    resolve_args,
     response_logits,
     score_in_chunks,
     select_pairs,
@@ -23,7 +23,8 @@ from async_dpo import (
     weights_from_buffer,
     write_weight_snapshot,
 )
-from plumbing import collate
+from plumbing import checkpoint, core, metrics
+from plumbing.reward_models import load_reward_model
 
 EOS, PAD = 0, 0
 CPU = torch.device("cpu")
@@ -64,6 +65,11 @@ def test_select_pairs_takes_best_and_worst_and_masks_ties():
     assert scores[2, chosen[2]] == 2.0 and rejected[2] == 2
 
 
+def run_facts(eos_id: int) -> core.Run:
+    """The run's fixed facts on CPU (float32, no autocast), padding with EOS as the tiny tokenizer does."""
+    return core.Run(CPU, torch.autocast("cpu", enabled=False), eos_id, eos_id)
+
+
 def _encode(tiny_dir, texts):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(tiny_dir, "sft"))
     return tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -89,10 +95,10 @@ def test_sequence_logprobs_are_temperature_scaled_and_ignore_padding(tiny_dir):
 
 
 def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_dir):
-    reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: a long title here\n\nTL;DR:", "TL;DR:"])
     eos = tokenizer.eos_token_id
-    scores = score_in_chunks(reward_model, prompts, [[5, eos], [6, 7, 8]], [True, False], -7.0, 2, eos, CPU)
+    scores = score_in_chunks(reward_model, prompts, [[5, eos], [6, 7, 8]], [True, False], -7.0, 2, run_facts(eos))
     with torch.no_grad():  # the model's own score for the unpadded sequence, read at its last token
         hidden = reward_model.gpt_neox(torch.tensor([prompts[0] + [5, eos]])).last_hidden_state
         expected = reward_model.score(hidden[0, -1])
@@ -102,20 +108,20 @@ def test_reward_is_read_at_the_last_real_token_and_penalises_missing_eos(tiny_di
 
 def test_reward_head_scores_in_float32_under_bfloat16(tiny_dir):
     """The backbone may run in bfloat16, but close scores must not round to the same bfloat16 value (false ties)."""
-    reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.bfloat16,
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.bfloat16,
                                               CPU)
     assert reward_model.score.weight.dtype == torch.float32
     tokenizer, prompts = _encode(tiny_dir, [f"TITLE: post number {i}\n\nTL;DR:" for i in range(16)])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        scores = score_in_chunks(reward_model, prompts, [[5, 6]] * 16, [True] * 16, None, 16, tokenizer.eos_token_id,
-                                 CPU)
+        scores = score_in_chunks(reward_model, prompts, [[5, 6]] * 16, [True] * 16, None, 16,
+                                 run_facts(tokenizer.eos_token_id))
     assert scores.dtype == torch.float32
     assert (scores.bfloat16().float() != scores).any()  # more precision than bfloat16 has
 
 
 def test_a_checkpoint_without_a_trained_score_head_is_refused(tiny_dir, capsys):
     with pytest.raises(SystemExit):
-        plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "sft"), torch.float32, CPU)
+        load_reward_model("reward_model_path", os.path.join(tiny_dir, "sft"), torch.float32, CPU)
     err = capsys.readouterr().err
     assert "--reward_model_path" in err and "score" in err
 
@@ -126,7 +132,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir
     gradients, forward_calls = [], []
     for checkpointing in (False, True):
         sft = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
-        policy = plumbing.prepare_policy(sft, checkpointing)
+        policy = core.train_without_dropout(sft, checkpointing)
         assert policy.training
         calls = []
         # a pre-hook: the recomputation stops early, once it has what backward needs, so a post-hook may not fire
@@ -140,7 +146,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir
 
 
 def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perplexities(tiny_dir):
-    reward_model = plumbing.load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
+    reward_model = load_reward_model("reward_model_path", os.path.join(tiny_dir, "proxy"), torch.float32, CPU)
     sft = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: my cat\n\nTL;DR:", "TITLE: my job\n\nTL;DR:"])
     eos = tokenizer.eos_token_id
@@ -148,9 +154,9 @@ def test_evaluation_scores_gold_without_the_eos_penalty_and_computes_both_perple
     args = Args(missing_eos_penalty=-3.0, eval_response_length=4, per_device_train_batch_size=1)
     # The first completion is its reference: a tie (half a win) under both models, whatever their scores say
     references = {"proxy": torch.tensor([0.0, 0.0]), "gold": torch.tensor([0.0, 0.0]), "tokens": [[5, 6, eos], [5]]}
-    sums = evaluate(responses, prompts, references, {"proxy": reward_model, "gold": reward_model}, sft, args, eos,
-                    eos, CPU, torch.autocast("cpu", enabled=False))
-    raw = score_in_chunks(reward_model, prompts, responses, [True, False], None, 2, eos, CPU)
+    sums = evaluate(responses, prompts, references, {"proxy": reward_model, "gold": reward_model}, sft, args,
+                    run_facts(eos))
+    raw = score_in_chunks(reward_model, prompts, responses, [True, False], None, 2, run_facts(eos))
     assert sums["proxy_reward"] == pytest.approx(raw[0].item() - 3.0, abs=1e-5)
     assert sums["gold_reward"] == pytest.approx(raw.sum().item(), abs=1e-5)
     assert sums["proxy_wins"] == 0.5 and sums["gold_wins"] == 0.5 + (raw[1] > 0).item()
@@ -172,14 +178,15 @@ def test_eval_record_gives_win_rates_with_their_standard_errors():
     assert record["eval/gold_reward"] == -0.05 and record["eval/perplexity"] == pytest.approx(math.exp(0.1))
 
 
-def test_batch_size_arithmetic_and_episodes_count_prompts_consumed():
+def test_batch_size_arithmetic_and_episodes_count_prompts_consumed(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it
     args = Args(batch_size=512, per_device_train_batch_size=8, num_mini_batches=2, num_epochs=3, total_episodes=131072)
-    compute_batch_sizes(args, world_size=4)
+    resolve_args(args)
     assert (args.local_batch_size, args.gradient_accumulation_steps) == (128, 16)
     assert (args.num_rounds, args.num_steps) == (128, 128 * 2 * 3)
     # A round: 2 mini-batches of 512 prompts, 3 epochs over them -> 6 steps that consume 1024 prompts
-    assert [plumbing.episodes_at(step, args) for step in range(8)] == [0, 512, 1024, 1024, 1024, 1024, 1024, 1536]
-    assert plumbing.episodes_at(args.num_steps, args) == args.total_episodes
+    assert [metrics.episodes_at(step, args) for step in range(8)] == [0, 512, 1024, 1024, 1024, 1024, 1024, 1536]
+    assert metrics.episodes_at(args.num_steps, args) == args.total_episodes
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -192,9 +199,10 @@ def test_batch_size_arithmetic_and_episodes_count_prompts_consumed():
     (dict(num_final_eval_prompts=2), "--num_final_eval_prompts"),
     (dict(eval_temperature=0.0), "--eval_temperature"),
 ])
-def test_batch_size_arithmetic_rejects_bad_values(overrides, message, capsys):
+def test_batch_size_arithmetic_rejects_bad_values(overrides, message, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(SystemExit):
-        compute_batch_sizes(Args(**overrides), world_size=4)
+        resolve_args(Args(**overrides))
     assert message in capsys.readouterr().err
 
 
@@ -216,7 +224,7 @@ def test_weight_snapshot_is_independent_of_the_optimizer(tiny_dir):
 
 
 def test_tiny_assets_have_the_hub_dataset_columns(tiny_dir):
-    train, validation = plumbing.load_prompt_splits(os.path.join(tiny_dir, "data"), seed=1)
+    train, validation = core.load_prompt_splits(os.path.join(tiny_dir, "data"), seed=1)
     for split in (train, validation):
         assert {"query", "reference_response"} <= set(split.column_names)
         assert split[0]["query"].startswith("SUBREDDIT: r/") and split[0]["query"].endswith("\n\nTL;DR:")
@@ -235,7 +243,7 @@ def test_resume_allocates_the_optimizer_state_without_a_gradient_set():
     storages = []
     optimizer.register_step_pre_hook(lambda opt, *_: storages.append(
         {p.grad.untyped_storage().data_ptr() for group in opt.param_groups for p in group["params"]}))
-    plumbing.allocate_optimizer_state(optimizer)
+    checkpoint.allocate_optimizer_state(optimizer)
     assert len(storages) == 1 and len(storages[0]) == 1  # one step, on one shared buffer
     assert all(p.grad is None for p in model.parameters()) and optimizer.param_groups[0]["lr"] == 0.1
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))

@@ -3,6 +3,7 @@ test_resume.py): `python -m torch.distributed.run --standalone --nproc_per_node 
 Each prints what each rank did; the tests read it."""
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -10,14 +11,15 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import plumbing  # noqa: E402
+from plumbing import checkpoint, core, launch  # noqa: E402
+from plumbing.generator_io import Generator  # noqa: E402
 
 
 def sigterm_during_a_save(folder: str) -> None:
     """SIGTERM reached rank 0 alone, during a checkpoint: after the save, both ranks stop (one decision)."""
     from async_dpo import Args
 
-    plumbing.init_learner_group(use_cuda=False)
+    core.init_learner_group(use_cuda=False)
     rank = int(os.environ["RANK"])
     args = Args(output_dir=folder, save_every=1, rank=rank, world_size=2)
     model = torch.nn.Linear(2, 1)
@@ -25,10 +27,10 @@ def sigterm_during_a_save(folder: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     metrics = open(os.path.join(folder, "metrics.jsonl"), "a") if rank == 0 else None
     if rank == 0:
-        plumbing.TERM.set()  # (as the scripts' SIGTERM handler does)
-    loop = dict(round=1, version=1, buffer_version=0, last_eval=0, pending_evals=0)
+        checkpoint.TERM.set()  # (as the scripts' SIGTERM handler does)
+    loop = (1, 1, 0, 0, [])  # round, version, buffer version, last evaluation, pending evaluations
     try:
-        plumbing.save_checkpoint(args, loop, None, None, model, optimizer, scheduler, torch.zeros(3), metrics)
+        checkpoint.save(args, loop, None, None, model, optimizer, scheduler, torch.zeros(3), metrics)
         print(f"rank {rank} went on after the save", flush=True)
     except SystemExit as stop:
         print(f"rank {rank} stopped with exit code {stop.code}", flush=True)
@@ -51,11 +53,11 @@ class RunArgs:
 
 def generator_dies_during_a_request(folder: str) -> None:
     """Rank 0 notices the dead generator while it sends a request (the one-slot queue is full), while rank 1 goes on
-    to the training step's collectives: both must stop with the generator's error, through plumbing.run."""
+    to the training step's collectives: both must stop with the generator's error, through launch.run."""
 
     def main(args: RunArgs, cleanup) -> None:
-        plumbing.init_learner_group(use_cuda=False)
-        generator = None
+        core.init_learner_group(use_cuda=False)
+        generator = Generator(args.rank, args.world_size)
         if args.rank == 0:
             ctx = mp.get_context("spawn")
             process = ctx.Process(target=exits_at_once)
@@ -63,17 +65,17 @@ def generator_dies_during_a_request(folder: str) -> None:
             process.join()
             requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
             requests.put({"kind": "train"})  # a request nobody will take: the slot stays full
-            generator = plumbing.Generator(process, requests, results, folder)
-            cleanup.callback(plumbing.stop_generator, generator)
-        plumbing.submit(generator, {"kind": "eval"})  # rank 0 notices the death here; rank 1 has nothing to send
+            generator = Generator(0, args.world_size, process, requests, results, tempfile.mkdtemp())
+            cleanup.callback(generator.stop)
+        generator.submit({"kind": "eval"})  # rank 0 notices the death here; rank 1 has nothing to send
         print(f"rank {args.rank} sent its request", flush=True)
-        plumbing.reduce_sums({"loss": 1.0}, args.world_size)  # a training step's reduction, on every rank
-        plumbing.collect(generator, args)
+        core.reduce_sums({"loss": 1.0}, args.world_size)  # a training step's reduction, on every rank
+        generator.collect()
         print(f"rank {args.rank} went on without the generator", flush=True)
 
     start = time.time()
     try:
-        plumbing.run(main, RunArgs, {})
+        launch.run(main, RunArgs(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])))
     finally:
         print(f"rank {os.environ['RANK']} exited after {time.time() - start:.1f} s", flush=True)
 

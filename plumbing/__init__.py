@@ -1,0 +1,14 @@
+"""Plumbing shared by the scripts: what is the same in each and a reader need not study to
+understand asynchronous RLHF. The lesson (Args and its derived sizes, the generator loop, the
+weight hand-off, the one-slot queues' schedule, token layout and log-probs, the reward, the loss,
+evaluation and the training loop) stays in each script. The modules, each importing only those
+above it:
+
+    core           flags and paths checked, models and data loaded, devices, learner processes,
+                   collectives and a step's statistics over them, prompt tokens
+    generator_io   the one-slot queues to the generator process, never hanging on it; shutdown
+    reward_models  loading a reward model; scoring with a tokenizer of its own (re-tokenising)
+    metrics        metrics.jsonl and wandb, the console's evaluations, timings
+    checkpoint     --save_every and --resume_from
+    launch         parsing the flags, starting the run, a clean exit on every path
+"""

@@ -1,0 +1,351 @@
+"""What every run passes through and a reader need not study: checks of the flags (errors that name
+the flag or file), loading models, tokenizers and data, the run's fixed facts, devices and learner
+processes, the collectives between learner ranks, and prompt tokens."""
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import NoReturn, Optional
+
+import datasets
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer
+
+
+# --- Flags, models and data, checked --------------------------------------------------------------
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_flags(args, positive: tuple = ("temperature", "eval_temperature")) -> None:
+    """Refuse flags that make no sense, and sizes that do not divide over args.world_size ranks."""
+    for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size",
+                 "num_epochs", "per_device_train_batch_size", "num_mini_batches",
+                 "num_eval_prompts", "eval_response_length", "generator_cores", *positive):
+        if getattr(args, name) <= 0:
+            fail(f"--{name} must be positive, got {getattr(args, name)}")
+    world_size, per_round = args.world_size, args.batch_size * args.num_mini_batches
+    local, per_device = args.batch_size // world_size, args.per_device_train_batch_size
+    hf = getattr(args, "generation_backend", "vllm") == "hf"  # (sync_baseline.py: no generator)
+    rl_coefficients = ("cliprange", "cliprange_value", "kl_coef", "vf_coef")  # (PPO, RLOO)
+    low, cap = getattr(args, "is_cap_low", 0), getattr(args, "is_cap", 1)
+    for bad, message in [
+        (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast "
+         "without a gradient scaler, and small gradients would underflow to 0 silently; use "
+         "bfloat16 (or float32)"),
+        (args.eval_every < 0, f"--eval_every must be 0 (off) or positive, got {args.eval_every}"),
+        (args.save_every < 0, f"--save_every must be 0 (off) or positive, got {args.save_every}"),
+        (not 0 < args.vllm_gpu_memory_utilization <= 1,
+         "--vllm_gpu_memory_utilization must be in (0, 1]"),
+        (min(args.num_eval_prompts, args.num_final_eval_prompts or world_size) < world_size,
+         "--num_eval_prompts and --num_final_eval_prompts must give every learner a prompt"),
+        (args.fsdp and world_size == 1,
+         "--fsdp shards over several learner processes: launch with torchrun"),
+        (args.fsdp and hf, "--fsdp works with --generation_backend vllm only"),  # (hf: apart)
+        (args.batch_size % world_size,
+         f"--batch_size {args.batch_size} must divide over {world_size} processes"),
+        (local % per_device, f"--per_device_train_batch_size {per_device} must divide the "
+         f"per-process batch ({local} prompts)"),
+        (args.total_episodes < per_round, f"--total_episodes {args.total_episodes} is smaller than "
+         f"one generation round (--batch_size x --num_mini_batches = {per_round})"),
+        (min(getattr(args, name, 0) for name in rl_coefficients) < 0,
+         "--cliprange, --cliprange_value, --kl_coef and --vf_coef must not be negative"),
+        (not 0 <= getattr(args, "gamma", 0) <= 1 or not 0 <= getattr(args, "lam", 0) <= 1,
+         "--gamma and --lam must lie in [0, 1]"),
+        (getattr(args, "is_correction", "none") != "none" and not args.recompute_old_logprobs,
+         "--is_correction needs --recompute_old_logprobs: without it pi_old is the generator's "
+         "mu, so w = pi_old / mu is 1 and there is nothing to correct"),
+        (not 0 <= low < cap,
+         f"--is_cap_low and --is_cap must satisfy 0 <= low < cap, got {low}, {cap}"),
+    ]:
+        if bad:
+            fail(message)
+
+
+def check_model_paths(args, *flags: str) -> None:
+    """Each model flag that is set names a local model folder or a hub model that loads."""
+    for flag in flags:
+        path = getattr(args, flag)
+        if not path:
+            continue
+        if path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
+            fail(f"--{flag} {path}: no such folder")
+        try:
+            AutoConfig.from_pretrained(path)
+        except Exception as e:
+            fail(f"--{flag} {path}: not a local model folder and could not be loaded from the hub "
+                 f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
+def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_response"),
+                       names=("train", "validation"), config: Optional[str] = None):
+    """The train and evaluation splits (`names`) from a hub name (and `config`), a folder of split
+    files or one file (then 5% is held out), with `columns`."""
+    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
+        os.path.splitext(dataset)[1])
+    if os.path.isfile(dataset) and kind is None:
+        fail(f"--dataset {dataset}: unsupported file type (use .jsonl, .json, .parquet or .csv)")
+    if not os.path.exists(dataset) and ("/" not in dataset or dataset.startswith((".", "/", "~"))):
+        fail(f"--dataset {dataset}: no such file or folder")
+    try:
+        if os.path.isfile(dataset):
+            split = datasets.load_dataset(kind, data_files=dataset)["train"]
+            split = split.train_test_split(0.05, seed=seed)
+            splits = {names[0]: split["train"], names[1]: split["test"]}
+        else:
+            splits = datasets.load_dataset(dataset, config)
+    except Exception as e:  # offline hub names, unreadable files
+        fail(f"--dataset {dataset}: could not be loaded "
+             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    for split in names:
+        if split not in splits:
+            fail(f"--dataset {dataset}: no '{split}' split (found {sorted(splits)})")
+        missing = set(columns) - set(splits[split].column_names)
+        if missing:
+            fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
+                 f"found {splits[split].column_names}")
+    return tuple(splits[name] for name in names)
+
+
+def load_tokenizer(path: str):
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        fail(f"--sft_model_path {path}: the tokenizer has no EOS token")
+    return tokenizer
+
+
+def special_ids(tokenizer) -> tuple[int, int]:
+    """EOS, and the id to pad with (EOS if the tokenizer has none: masks say what is padding)."""
+    eos_id = tokenizer.eos_token_id
+    return eos_id, eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+@dataclass(frozen=True)
+class Run:
+    """The run's fixed facts, set once in main(): the learner's device and autocast, and the token
+    ids that end a completion and pad a batch."""
+    device: torch.device
+    autocast: object
+    eos_id: int
+    pad_id: int
+
+
+# --- Models on the learner's device ---------------------------------------------------------------
+def train_without_dropout(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Training mode (for checkpointing) with dropout off: ratios of log-probs carry no noise."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def shard_or_replicate(trained: torch.nn.Module, frozen: list, args, device: torch.device):
+    """What the optimizer trains: `trained` itself, its DDP wrapper, or (--fsdp) `trained` sharded
+    in place by FSDP2 with the frozen models: each transformers model block by block, then each of
+    its top-level pieces on its own (so that a score head can be called directly), then whole."""
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        inner = [trained] if hasattr(trained, "_no_split_modules") else list(trained.children())
+        models = inner + frozen
+        for model in models:
+            for module in model.modules():
+                if type(module).__name__ in (model._no_split_modules or []):
+                    fully_shard(module)
+            for child in model.children():
+                fully_shard(child)
+            fully_shard(model)
+        if trained not in models:  # a module around them (PPO's policy and value model)
+            fully_shard(trained)
+    elif args.world_size > 1:
+        return torch.nn.parallel.DistributedDataParallel(
+            trained, device_ids=[device] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True)
+    return trained
+
+
+def save_policy(policy: torch.nn.Module, tokenizer, args) -> None:
+    """--save_model: save_pretrained to {output_dir}/model (FSDP2: every rank gathers, 0 writes)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full_state = get_model_state_dict(policy, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True)) if args.fsdp else None  # (FSDP2: a collective)
+    if args.rank == 0:
+        policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
+        tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+        print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
+
+
+# --- Devices and learner processes (torchrun) -----------------------------------------------------
+def shares_gpu0(gpus: Optional[int] = None, learners: Optional[int] = None) -> bool:
+    """Whether learner rank 0 shares GPU 0 with vLLM: the node has GPUs but none spare per learner
+    (of `gpus` on the node and `learners` on it; default: this machine's). Every rank answers the
+    same, so that all take the generator's "ready" message at the same point."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    learners = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if learners is None else learners
+    return 0 < gpus <= learners
+
+
+def learner_gpu(local_rank: int, gpus: Optional[int] = None, learners: Optional[int] = None) -> int:
+    """vLLM owns GPU 0; learner rank i uses GPU i+1 of its node (GPU i when none is spare: rank 0
+    then shares GPU 0 with vLLM)."""
+    return local_rank if shares_gpu0(gpus, learners) else local_rank + 1
+
+
+def learner_device(world_size: int, generator_cores: int) -> tuple:
+    """This learner's device (and process group, under torchrun); on CPU the generator gets cores
+    of its own (the last ones). Returns the device and the generator's cores."""
+    if world_size > 1:
+        init_learner_group(torch.cuda.is_available())
+    if torch.cuda.is_available():
+        device = torch.device("cuda", learner_gpu(int(os.environ.get("LOCAL_RANK", 0))))
+        torch.cuda.set_device(device)
+        return device, None
+    all_cores = sorted(os.sched_getaffinity(0))
+    generator = all_cores[-generator_cores:] if 0 < generator_cores < len(all_cores) else None
+    learner_cores = all_cores[: -generator_cores] if generator else all_cores
+    os.sched_setaffinity(0, learner_cores)
+    torch.set_num_threads(max(1, len(learner_cores) // world_size))
+    return torch.device("cpu"), generator
+
+
+def init_learner_group(use_cuda: bool) -> None:
+    # A backend per device: DDP/FSDP reduce GPU tensors over NCCL, while the collectives below carry
+    # CPU tensors, which NCCL cannot ("cpu:gloo,cuda:nccl")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prompt_rounds(num_prompts: int, args) -> np.ndarray:
+    """[num_rounds, prompts per round] indices of the training prompts: a fresh shuffle per pass."""
+    prompts_per_round = args.batch_size * args.num_mini_batches
+    passes = -(-args.num_rounds * prompts_per_round // num_prompts)
+    order = np.concatenate([np.random.permutation(num_prompts) for _ in range(passes)])
+    return order[: args.num_rounds * prompts_per_round].reshape(args.num_rounds, prompts_per_round)
+
+
+def sampling_seed(seed: int, kind: str, index: int) -> int:
+    """The sampling seed of a training round or an evaluation (by round or version), from --seed."""
+    sequence = np.random.SeedSequence([seed, ["train", "eval"].index(kind), index])
+    return int(sequence.generate_state(1)[0])
+
+
+# --- Collectives between the learner ranks --------------------------------------------------------
+def reduce_sums(sums: dict, world_size: int) -> dict:
+    if world_size == 1:
+        return sums
+    values = torch.tensor(list(sums.values()), dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(sums, values.tolist()))
+
+
+def reduce_max(value: float, world_size: int) -> float:
+    if world_size == 1:
+        return value
+    values = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.item()
+
+
+def clip_grad_norm(parameters, max_norm: Optional[float]) -> float:
+    """The gradients' norm over all ranks before clipping (to --max_grad_norm; None: no clip)."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (FSDP2: DTensor)
+
+
+def chunks(n: int, size: int, model: torch.nn.Module) -> list[slice]:
+    """Slices of `size` over n items, for forward passes. Under FSDP2 every forward of a sharded
+    model gathers its weights, a collective: there every rank runs as many as the rank with the
+    most (a share of an evaluation can be one prompt short), its extra slices repeating its last
+    one; the caller keeps the first n results."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = [slice(i, i + size) for i in range(0, n, size)]
+    if isinstance(model, FSDPModule):
+        parts += parts[-1:] * (int(reduce_max(len(parts), dist.get_world_size())) - len(parts))
+    return parts
+
+
+# --- A step's statistics, reduced over its micro-batches and the learner ranks --------------------
+def step_stats(world_size: int, means: dict, spread: tuple = (), maxima: Optional[dict] = None,
+               lengths: Optional[torch.Tensor] = None, cut: Optional[torch.Tensor] = None) -> dict:
+    """What an update logs, over all learner ranks. `means`: a name for each of this rank's values
+    (a tensor, or (values, weights)), logged as their (weighted) mean over all ranks, all in one
+    reduction; a name in `spread` also gets `{name}_std`. `maxima`: a name for each value, the max
+    over ranks. `lengths`, `cut`: the completions' lengths and whether each was cut at the limit."""
+    sums = {}
+    for name, entry in means.items():
+        values, weights = entry if isinstance(entry, tuple) else (entry, torch.ones_like(entry))
+        values, weights = values.detach().double().flatten(), weights.double().flatten()
+        sums[name], sums[f"{name}/weight"] = (values * weights).sum().item(), weights.sum().item()
+        if name in spread:
+            sums[f"{name}/square"] = (values**2 * weights).sum().item()
+    sums = reduce_sums(sums, world_size)
+    stats = {name: sums[name] / (sums[f"{name}/weight"] or 1) for name in means}
+    for name in spread:
+        variance = sums[f"{name}/square"] / (sums[f"{name}/weight"] or 1) - stats[name] ** 2
+        stats[f"{name}_std"] = max(variance, 0.0) ** 0.5
+    stats.update({name: reduce_max(value, world_size) for name, value in (maxima or {}).items()})
+    if lengths is not None:
+        stats.update(length_stats(lengths, cut, world_size))
+    return stats
+
+
+def offpolicy_stats(log_ratio: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
+                    changed: torch.Tensor, world_size: int) -> dict:
+    """What an async run shows of its off-policy data (PPO, RLOO), over all ranks. Per token: the
+    learner-sampler mismatch |log pi_old - log mu| (mean, max) and the k3 estimate of
+    KL(mu || pi_old), mean(w - log w - 1). Over the loss's terms (`weights`, `changed`: one each):
+    the weights' min, mean and max, the share the correction changed, and the effective sample
+    size (sum w)^2 / (n sum w^2) as a share of n (float64: w^2 of a capped weight stays finite)."""
+    mismatch, weights = log_ratio.abs() * token_mask, weights.double()
+    k3 = log_ratio.exp() - log_ratio - 1
+    stats = step_stats(world_size, {
+        "offpolicy/mismatch_mean": (mismatch, token_mask), "offpolicy/kl_k3": (k3, token_mask),
+        "is/weight_mean": weights, "is/weight_square": weights**2, "is/changed_fraction": changed},
+        maxima={"offpolicy/mismatch_max": mismatch.max().item(),
+                "is/weight_max": weights.max().item(), "is/weight_min": -weights.min().item()})
+    stats["is/weight_min"] *= -1
+    stats["is/ess_fraction"] = stats["is/weight_mean"] ** 2 / stats.pop("is/weight_square")
+    return stats
+
+
+def length_stats(lengths: torch.Tensor, cut: torch.Tensor, world_size: int) -> dict:
+    """A step's completion lengths over all ranks: mean, median, p95, max, and the share cut at
+    --response_length (a length that rises with the reward is the first sign of reward hacking)."""
+    both = torch.stack([lengths.flatten().float(), cut.flatten().float()])
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, both)
+        both = torch.cat(gathered, dim=1)
+    lengths, cut = both
+    return {"length/mean": lengths.mean().item(), "length/p50": lengths.quantile(0.5).item(),
+            "length/p95": lengths.quantile(0.95).item(), "length/max": lengths.max().item(),
+            "length/cut_fraction": cut.mean().item()}
+
+
+# --- Prompt tokens --------------------------------------------------------------------------------
+def tokenize_prompts(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
+    """Token ids per prompt, after BOS where the tokenizer adds one; long prompts keep their end,
+    where the instruction ('TL;DR:') sits."""
+    bos = bos_prefix(tokenizer)
+    return [bos + ids[max(len(ids) + len(bos) - max_length, 0):]
+            for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """[BOS] if the tokenizer starts texts with one (Llama's, rho-1b's), else [] (Pythia's)."""
+    bos = tokenizer.bos_token_id
+    with_special = tokenizer("x")["input_ids"]
+    without = tokenizer("x", add_special_tokens=False)["input_ids"]
+    return [bos] if bos is not None and with_special[:1] == [bos] and without[:1] != [bos] else []

@@ -1,0 +1,150 @@
+"""The learner's side of the one-slot queues to the generator process, which never hang on a dead
+generator and tell every learner rank its error, the generator process's own set-up, and shutdown
+with anything queued."""
+import contextlib
+import os
+import queue
+import shutil
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class GeneratorError(RuntimeError):
+    pass
+
+
+@dataclass
+class Generator:
+    """The generator process and the one-slot queues to and from it, as a learner rank sees them:
+    rank 0 sends the requests and receives the results; collect() shares each result, or the
+    generator's error, with the other ranks, which hold no process (Generator(rank, world_size)) and
+    take it at the same point of the loop."""
+    rank: int
+    world_size: int
+    process: object = None
+    requests: object = None
+    results: object = None
+    tmp_dir: Optional[str] = None  # the generator's temporary files, removed at the end
+    log_path: Optional[str] = None  # vLLM's log (None: --verbose, the console)
+    error: Optional[GeneratorError] = None  # its death, noticed while sending (told at collect)
+
+    def submit(self, request: dict) -> None:
+        """Send a request (rank 0; the other ranks have nothing to send). A dead generator noticed
+        here is told at the next collect, which every rank passes: only rank 0 is here."""
+        if self.rank == 0 and self.error is None:
+            try:
+                send(self.requests, request, self.process)
+            except GeneratorError as error:
+                self.error = error
+
+    def collect(self) -> dict:
+        """The generator's next message, on every rank (rank 0 receives it, then shares it), or its
+        error raised on every rank."""
+        message = None
+        if self.rank == 0:
+            try:
+                message = self.error or receive(self.results, self.process)
+            except GeneratorError as error:
+                message = error
+        if self.world_size > 1:
+            box = [message]
+            dist.broadcast_object_list(box, src=0)
+            message = box[0]
+        if isinstance(message, BaseException):
+            raise message if self.rank == 0 else GeneratorError(f"rank 0 stopped: {message}")
+        return message
+
+    def stop(self) -> None:
+        """Stop the generator, and exit whatever is queued: a queue's feeder thread blocks while the
+        pipe is full (64 KiB) and is joined at exit; `cancel_join_thread()` (the documented way to
+        exit "without waiting to flush enqueued data") drops a request nobody will read."""
+        if self.process is None:
+            return
+        quiet_resource_tracker(self.log_path)  # (relaunched there if it died with the generator)
+        with contextlib.suppress(queue.Full, ValueError, OSError):
+            self.requests.put_nowait(None)  # a polite stop, seen if the generator is idle
+        self.process.join(timeout=2)
+        if self.process.is_alive():  # (it ignores SIGTERM)
+            self.process.kill()
+            self.process.join(timeout=3)
+        for pending in (self.requests, self.results):
+            pending.cancel_join_thread()
+            pending.close()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def send(requests, request: dict, process) -> None:
+    """Put on the one-slot request queue, without hanging if the generator has died."""
+    while True:
+        try:
+            return requests.put(request, timeout=0.5)
+        except queue.Full:
+            if not process.is_alive():
+                raise GeneratorError(f"the generator process exited unexpectedly "
+                                     f"(exit code {process.exitcode})")
+
+
+def receive(results, process) -> dict:
+    """Take from the result queue, without hanging on a dead generator; re-raise its error."""
+    while True:
+        try:
+            message = results.get(timeout=0.5)
+        except queue.Empty:
+            if process.is_alive():
+                continue
+            try:  # it may have reported its error just before exiting
+                message = results.get(timeout=1.0)
+            except queue.Empty:
+                raise GeneratorError(f"the generator process exited unexpectedly (exit code "
+                                     f"{process.exitcode})") from None
+        if message["kind"] == "error":
+            raise GeneratorError("the generator process failed:\n" + message["traceback"])
+        return message
+
+
+def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
+    """The generator process: Ctrl-C and SIGTERM go to the learner, death with it (PDEATHSIG),
+    vLLM's log to a file, no torchrun variables (they describe the learners), temporary files where
+    the learner removes them, and on CPU its own cores (set before vLLM, which ignores changes)."""
+    import ctypes
+    import tempfile
+
+    # A scheduler signals the process group: the learner decides (it may need an evaluation first)
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    if log_path:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        for stream in (1, 2):
+            os.dup2(log_fd, stream)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(var, None)
+    os.environ["TMPDIR"] = tempfile.tempdir = run_tmp_dir
+    if cores:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+
+
+def quiet_resource_tracker(log_path: Optional[str]) -> None:
+    """Start multiprocessing's resource tracker with its stderr in the generator's log: it warns of
+    vLLM's "leaked semaphore" when the generator is killed, which would read as a second failure. If
+    it was killed too (`pkill -f multiprocessing`), it is relaunched here, where its warnings and
+    the KeyErrors of the queues' semaphores it never saw registered go to the log as well."""
+    if log_path is None:  # --verbose: vLLM's log is on the console, and so is this
+        return
+    from multiprocessing import resource_tracker
+
+    console, log_fd = os.dup(2), os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.dup2(log_fd, 2)
+        resource_tracker.ensure_running()  # it inherits stderr from us now
+    finally:
+        os.dup2(console, 2)
+        os.close(console)
+        os.close(log_fd)

@@ -1,0 +1,83 @@
+"""Running a script: its flags parsed (`--model tiny` with its own defaults), the run started
+(devices, learner processes, seeds, the metrics sink), and a clean exit on every path: what main()
+puts on `cleanup` is undone, a failed generator (exit 1) or Ctrl-C (130) told in one line, SIGTERM
+saving a checkpoint (--save_every)."""
+import contextlib
+import functools
+import gc
+import signal
+import sys
+from typing import Callable
+
+import datasets
+import torch.distributed as dist
+import transformers
+import tyro
+from tqdm import tqdm
+
+from plumbing import checkpoint, core, metrics
+from plumbing.generator_io import GeneratorError
+
+
+def parse_args(args_class, tiny_defaults: dict):
+    """tyro's parse of Args; `--model tiny` has its own defaults (flags override them)."""
+    argv = sys.argv[1:]
+    tiny = "--model=tiny" in argv or any(a == "--model" and argv[i + 1: i + 2] == ["tiny"]
+                                         for i, a in enumerate(argv))
+    defaults = args_class(model="tiny", **tiny_defaults) if tiny else args_class()
+    return tyro.cli(args_class, default=defaults)
+
+
+def run(main: Callable, args) -> None:
+    """main(args, cleanup), with what main puts on `cleanup` undone on every path, and a failed
+    generator (exit 1) or Ctrl-C (130) told in one line, not a traceback."""
+    transformers.utils.logging.disable_progress_bar()  # the console shows the run's own lines
+    datasets.disable_progress_bars()
+    signal.signal(signal.SIGTERM, functools.partial(on_sigterm, args.save_every))
+    code, message = 0, ""
+    with contextlib.ExitStack() as cleanup:
+        try:
+            main(args, cleanup)
+        except GeneratorError as error:  # (every rank has it: Generator.collect shares it)
+            message = f"error: {error}"
+            if core.shares_gpu0():
+                message += ("\n(the learner shares GPU 0 with vLLM: lower "
+                            "--vllm_gpu_memory_utilization)")
+            if args.rank == 0 and not args.verbose:
+                message += f"\nvLLM's log: {args.output_dir}/generator.log"
+            code = 1
+        except KeyboardInterrupt:
+            tqdm.write("interrupted: shutting down the generator", file=sys.stderr)
+            code = 130
+    if message:  # after the clean-up (the progress bar closed): the last lines the user reads
+        print(message, file=sys.stderr, flush=True)
+    if dist.is_initialized():  # once DDP/FSDP state is freed (else gloo may abort the exit)
+        gc.collect()
+        dist.destroy_process_group()
+    if code:
+        raise SystemExit(code)
+
+
+def on_sigterm(save_every: int, *_) -> None:
+    """SIGTERM, a scheduler's notice: with --save_every, a flag (a checkpoint at the round's end, then
+    exit: checkpoint.save); without, exit now."""
+    if save_every:
+        checkpoint.TERM.set()
+    else:
+        sys.exit(128 + signal.SIGTERM)
+
+
+def start_run(args, cleanup: contextlib.ExitStack) -> tuple:
+    """This learner's device (and process group), the seeds, and the metrics sink (a resumed run's,
+    once its checkpoint is found to be of this run). Returns the device, the generator's cores (CPU)
+    and metrics.jsonl (rank 0; None elsewhere)."""
+    device, generator_cores = core.learner_device(args.world_size, args.generator_cores)
+    core.seed_everything(args.seed)
+    wandb_id = checkpoint.check_same_run(args) if args.resume_from else None
+    metrics_file = metrics.open_metrics(args, wandb_id)
+    cleanup.callback(metrics.close_metrics, metrics_file, args.track)
+    if args.rank == 0:
+        print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds "
+              f"of {args.batch_size * args.num_mini_batches} prompts x {args.num_samples} samples; "
+              f"metrics in {args.output_dir}/metrics.jsonl", flush=True)
+    return device, generator_cores, metrics_file

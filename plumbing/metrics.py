@@ -1,0 +1,120 @@
+"""What a run reports: metrics.jsonl (and wandb with --track), the console's evaluations, and the
+timings that benchmarks/timeline.py draws (a step's statistics: core.step_stats)."""
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Optional
+
+from tqdm import tqdm
+
+
+# --- metrics.jsonl and wandb ----------------------------------------------------------------------
+def open_metrics(args, wandb_id: Optional[str] = None):
+    """Rank 0's metrics.jsonl (appended to) and, with --track, the wandb run (a resumed run's own,
+    by its id)."""
+    if args.rank != 0:
+        return None
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
+                   config=asdict(args), dir=args.output_dir, save_code=True, id=wandb_id,
+                   resume="allow" if wandb_id else None)
+        wandb.define_metric("step")
+        wandb.define_metric("*", step_metric="step")
+    return open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
+
+
+def close_metrics(metrics_file, track: bool) -> None:
+    if metrics_file is not None:
+        metrics_file.close()
+        if track:
+            import wandb
+
+            wandb.finish()
+
+
+def keep_metrics_covered(metrics_file, run_folder: str, covered: int) -> None:
+    """metrics.jsonl as a checkpoint of the run in `run_folder` left it: cut back to the bytes it
+    covered, or, resumed into another --output_dir, those bytes copied from that run's file."""
+    source = os.path.join(run_folder, "metrics.jsonl")
+    if os.path.exists(source) and os.path.samefile(source, metrics_file.name):
+        metrics_file.truncate(covered)
+        return
+    metrics_file.truncate(0)
+    if os.path.exists(source):
+        with open(source) as run_so_far:
+            metrics_file.write(run_so_far.read(covered))  # (JSON lines: ASCII, a byte a character)
+    else:
+        print(f"{source} is missing: {metrics_file.name} starts empty at the checkpoint",
+              file=sys.stderr)
+    metrics_file.flush()
+
+
+def wandb_run_id(track: bool) -> Optional[str]:
+    if not track:
+        return None
+    import wandb
+
+    return wandb.run.id if wandb.run is not None else None
+
+
+def log(record: dict, metrics_file, track: bool) -> None:
+    if metrics_file is None:
+        return
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+    if track:
+        import wandb
+
+        tables = {k: wandb.Table(columns=["prompt", "response"], data=[list(s.values()) for s in v])
+                  for k, v in record.items() if k == "eval/samples"}
+        wandb.log({**record, **tables})
+
+
+def print_evaluation(record: dict, reward_names) -> None:
+    win_rates = ", ".join(f"{name} win rate {record[f'eval/{name}_win_rate']:.3f} ± "
+                          f"{record[f'eval/{name}_win_rate_stderr']:.3f}" for name in reward_names)
+    tqdm.write(f"eval @ step {record['step']} ({record['eval/num_prompts']} prompts): {win_rates}, "
+               f"perplexity {record['eval/perplexity']:.3f} "
+               f"(paper's: {record['eval/perplexity_paper']:.3f})")
+    for sample in record["eval/samples"]:
+        tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
+
+
+# --- Episodes and timings -------------------------------------------------------------------------
+def episodes_at(step: int, args) -> int:
+    """Training prompts consumed after `step` steps (epochs after the first revisit a round)."""
+    rounds, step_in_round = divmod(step, args.num_mini_batches * args.num_epochs)
+    mini_batches = rounds * args.num_mini_batches + min(step_in_round, args.num_mini_batches)
+    return mini_batches * args.batch_size
+
+
+def timeline(origin: float, **phases: tuple[float, float]) -> dict:
+    """`timeline/{phase}_start` and `_end`: seconds since training began (for timeline.py)."""
+    return {f"timeline/{phase}_{edge}": t - origin for phase, span in phases.items()
+            for edge, t in zip(("start", "end"), span)}
+
+
+def eval_times(message: dict, start: float, training_start: Optional[float]) -> dict:
+    """An evaluation's `time/` seconds and, during training, its `timeline/` spans."""
+    record = {"time/eval": time.time() - start,
+              "time/elapsed": time.time() - training_start if training_start else 0.0}
+    if training_start:
+        record.update(timeline(training_start, evaluation=(start, time.time()),
+                               eval_queued=(message["requested"], message["weight_load_start"]),
+                               eval_generation=(message["generation_start"],
+                                                message["generation_end"])))
+    return record
+
+
+def round_times(origin: float, round_start: float, eval_seconds: float, **phases: tuple) -> dict:
+    """A round's `time/` and `timeline/` phases (the wait leaves out evaluations scored then)."""
+    record = {f"time/{phase}": end - start for phase, (start, end) in phases.items()}
+    record.update(timeline(origin, **phases))
+    record["time/learner_wait"] -= eval_seconds
+    record["time/step"] = time.time() - round_start
+    return record

@@ -1,0 +1,97 @@
+"""Reward models: loading one with checks (a trained score head, in float32), and scoring the
+policy's completions with a reward model whose tokenizer is not the policy's (their text,
+re-tokenised its own way)."""
+import functools
+from typing import Callable, Optional
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from plumbing.core import bos_prefix, fail
+
+
+def load_reward_models(args, tokenizer, train_data, dtype: torch.dtype, device) -> dict:
+    """The proxy (and gold) reward models, each with `retokenize`: None when it reads the policy's
+    token ids as they are, else the function that turns them into its own (reward_tokenizer, which
+    tries the first training prompts)."""
+    models, probe_texts = {}, train_data["query"][:16]
+    for name, flag in (("proxy", "reward_model_path"), ("gold", "gold_reward_model_path")):
+        if getattr(args, flag):
+            path = getattr(args, flag)
+            models[name] = model = load_reward_model(flag, path, dtype, device)
+            model.retokenize = reward_tokenizer(flag, path, model, tokenizer, probe_texts,
+                                                args.reward_chat_template, args.rank)
+    return models
+
+
+def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.device):
+    """A frozen 1-label classifier with a trained head (transformers would give an SFT checkpoint a
+    random one), the head in float32 (in bfloat16, close scores tie)."""
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=dtype, num_labels=1, output_loading_info=True)
+    if info["missing_keys"] or not hasattr(model, "score"):
+        fail(f"--{flag} {path}: not a reward model: the checkpoint has no trained `score` head "
+             f"(missing {sorted(info['missing_keys'])[:4]}); pass a model saved as a sequence "
+             f"classifier")
+    model.score.float()
+    model.retokenize = None  # reads the policy's token ids (load_reward_models may say otherwise)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def reward_tokenizer(flag: str, path: str, model, tokenizer, probe_texts: list[str],
+                     chat_template: bool, rank: int) -> Optional[Callable]:
+    """None if the reward model's tokenizer is the policy's (same vocabulary, same ids for the probe
+    texts) and no chat template is asked for; else `retokenize` bound to its tokenizer, tried on the
+    probe texts first so that a tokenizer that cannot encode them fails here, not mid-run."""
+    try:
+        own = AutoTokenizer.from_pretrained(path)
+    except Exception:  # saved without its tokenizer: the policy's is the only guess
+        own = tokenizer
+    same = own.get_vocab() == tokenizer.get_vocab()
+    same = same and own(probe_texts)["input_ids"] == tokenizer(probe_texts)["input_ids"]
+    if chat_template and own.chat_template is None:
+        fail(f"--reward_chat_template: the tokenizer of --{flag} {path} has no chat template")
+    if same and not chat_template:
+        if rank == 0:
+            print(f"--{flag}: the policy's tokenizer: scores the policy's token ids as they are")
+        return None
+    max_length = min(getattr(model.config, "max_position_embeddings", 2**20), own.model_max_length)
+    bound = functools.partial(retokenize, tokenizer, own, chat_template, max_length)
+    probe = tokenizer(probe_texts, add_special_tokens=False)["input_ids"]
+    try:
+        ids = bound(probe, [[] for _ in probe], [False] * len(probe))[0]
+    except Exception as e:
+        fail(f"--{flag} {path}: its tokenizer cannot encode the policy's text "
+             f"({type(e).__name__}: {e})")
+    if own.unk_token_id is not None and any(own.unk_token_id in sequence for sequence in ids):
+        fail(f"--{flag} {path}: its tokenizer turns the policy's text into unknown tokens "
+             f"({own.unk_token})")
+    if rank == 0:
+        print(f"--{flag}: its own tokenizer ({type(own).__name__}, {len(own)} tokens"
+              f"{', chat template' if chat_template else ''}): scores the completions' text, "
+              f"re-tokenised")
+    return bound
+
+
+def retokenize(tokenizer, own, chat_template: bool, max_length: int, prompts: list,
+               responses: list, has_eos: list) -> tuple[list, list, int]:
+    """The reward model's own ids for each prompt + completion, from the text the policy's ids
+    decode to: its BOS if it adds one, the text, and its EOS where the policy's completion ended
+    with EOS (or the prompt and completion as a user and an assistant turn of its chat template);
+    cut from the left to its maximum length, as prompts are. Returns them as prompts, empty
+    responses, and its pad id."""
+    bos, eos, ids = bos_prefix(own), [own.eos_token_id] if own.eos_token_id is not None else [], []
+    pad_id = next((i for i in (own.pad_token_id, own.eos_token_id) if i is not None), 0)
+    plain = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)  # the text, as it is
+    for prompt, response, ended in zip(prompts, responses, has_eos):
+        text = tokenizer.decode(prompt + response, **plain)
+        if chat_template:  # the template writes its own special tokens
+            question = tokenizer.decode(prompt, **plain)
+            turns = [dict(role="user", content=question),
+                     dict(role="assistant", content=text.removeprefix(question))]
+            text, head, tail = own.apply_chat_template(turns, tokenize=False), [], []
+        else:
+            head, tail = bos, eos * ended
+        body = own(text, add_special_tokens=False)["input_ids"]
+        ids.append(head + body[max(len(head) + len(body) + len(tail) - max_length, 0):] + tail)
+    return ids, [[] for _ in ids], pad_id
