@@ -510,8 +510,7 @@ def add_advantages(episodes: dict, ref_logprobs, learner_logprobs, values, args:
     is_factor, is_changed = importance_correction(is_weights, args)
     learner_log_ratio = (learner_logprobs - generator_logprobs) * mask  # (0 on padding)
     episodes.update(old_logprobs=old_logprobs, kl=kl, advantages=advantages, values=values,
-                    returns=returns, generator_gap=learner_log_ratio.sum(1),
-                    explained_variance=[1 - error_var / max(returns_var, 1e-8)] * len(mask),
+                    returns=returns, explained_variance=[1 - error_var / max(returns_var, 1e-8)] * len(mask),
                     learner_log_ratio=learner_log_ratio, is_weights=is_weights, is_factor=is_factor,
                     is_changed=is_changed, is_terms=is_terms)
 
@@ -590,7 +589,7 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
         skip_sync = args.world_size > 1 and not args.fsdp and i < steps - 1
         inputs, response_mask = collate(micro["prompts"], micro["responses"], run.pad_id, run.device)
         old = {k: micro[k][:, :response_mask.shape[1]].to(run.device)
-               for k in ("old_logprobs", "advantages", "values", "returns", "is_factor")}
+               for k in ("old_logprobs", "advantages", "values", "returns", "is_factor", "generator_logprobs")}
         with learner.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast:
             logits, values = learner(inputs, response_mask.shape[1])
             logprobs = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
@@ -601,30 +600,40 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
             loss = ((policy_losses + args.vf_coef * value_losses) * response_mask).sum()
             (loss * args.world_size / tokens).backward()
         approx_kl = 0.5 * (logprobs - old["old_logprobs"]) ** 2
+        generator_gap = (logprobs - old["generator_logprobs"]) * response_mask  # (0 on padding)
         per_token = torch.stack([policy_losses, value_losses, policy_clipped, approx_kl, ratio, value_clipped,
-                                 token_entropy(logits, response_mask, args.temperature)]).detach().float()
-        outputs.append(F.pad(per_token.cpu(), (0, mask.shape[1] - response_mask.shape[1])))  # [7, rows, width]
+                                 token_entropy(logits, response_mask, args.temperature),
+                                 generator_gap]).detach().float()
+        outputs.append(F.pad(per_token.cpu(), (0, mask.shape[1] - response_mask.shape[1])))  # [8, rows, width]
     grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
+    before = core.parameters_copy(learner)  # (host memory: the update's size, for the logs)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
-    # What the step logs: means over all ranks' response tokens, or their episodes
-    policy_loss, value_loss, policy_clipped, approx_kl, ratio, value_clipped, entropy = torch.cat(outputs, dim=1)
+    # What the step logs: means over all ranks' response tokens, or their episodes. The lag: how far
+    # the policy is from the weights that sampled the batch (KL(mu || pi), k3 of the sequence
+    # log-ratio) and how far this step moved it (||delta theta|| / ||theta||)
+    policy_loss, value_loss, policy_clipped, approx_kl, ratio, value_clipped, entropy, generator_gap = torch.cat(
+        outputs, dim=1)
     kl, scores, terms = mini_batch["kl"].sum(1), mini_batch["scores"], mini_batch["is_terms"]
+    generator_gap = generator_gap.sum(1).double()
+    update = core.relative_update(learner, before, args.world_size)
     stats = core.step_stats(args.world_size, {
         "loss/policy": (policy_loss, mask), "loss/value": (value_loss, mask),
         "policy/clipfrac": (policy_clipped, mask), "policy/approx_kl": (approx_kl, mask),
         "policy/ratio_mean": (ratio, mask), "value/clipfrac": (value_clipped, mask),
         "objective/entropy": entropy.sum(1), "objective/kl": kl, "objective/rlhf_reward": scores - args.kl_coef * kl,
-        "reward/mean": scores, "eos/fraction": mini_batch["eos"], "logps/generator_gap": mini_batch["generator_gap"]},
+        "reward/mean": scores, "eos/fraction": mini_batch["eos"], "logps/generator_gap": generator_gap,
+        "lag/kl": torch.expm1(generator_gap) - generator_gap},
         spread=("logps/generator_gap",), maxima={"policy/ratio_max": (ratio * mask).max().item()},
         lengths=mask.sum(1), cut=1 - mini_batch["eos"])
     stats["objective/non_score_reward"] = -args.kl_coef * stats["objective/kl"]
     # the learner's pi_old (always computed here) against mu, over the loss's terms
     stats.update(core.offpolicy_stats(mini_batch["learner_log_ratio"], mask, mini_batch["is_weights"][terms],
                                          mini_batch["is_changed"][terms], args.world_size))
-    return {"grad/norm": grad_norm, "value/explained_variance": mini_batch["explained_variance"][0], **stats}
+    return {"grad/norm": grad_norm, "lag/update": update,
+            "value/explained_variance": mini_batch["explained_variance"][0], **stats}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------

@@ -92,6 +92,8 @@ class Args:
     """KL penalty towards the SFT reference: reward = score - kl_coef * (log pi_old - log ref)"""
     cliprange: float = 0.2
     """clip range of the sequence-level ratio pi(y) / pi_old(y)"""
+    loss: Literal["proximal", "copg"] = "proximal"
+    """`copg`: the paper's control (its Appendix B), -A log(pi(y) / pi_old(y)): no ratio, no clip"""
     whiten_advantages: bool = False
     """whiten the leave-one-out advantages over the batch (off in the paper's released code)"""
     recompute_old_logprobs: bool = False
@@ -498,6 +500,12 @@ def rloo_loss(logps, old_logps, advantages, cliprange: float) -> tuple:
     return torch.max(losses, clipped_losses), ratio, clipped_losses > losses
 
 
+def copg_loss(logps, old_logps, advantages) -> torch.Tensor:
+    """Per-completion CoPG-style loss -A log(pi(y) / pi_old(y)): dividing by pi_old instead of
+    clipping the ratio. Its gradient, -A grad log pi(y), is vanilla RLOO's at any staleness."""
+    return -advantages * (logps - old_logps)
+
+
 def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run: core.Run) -> dict:
     """One optimizer step on a mini-batch (gradients accumulated over its micro-batches): the mean
     loss over all ranks' completions (DDP/FSDP average over ranks: the world_size factor)."""
@@ -513,22 +521,30 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run
             logits = response_logits(learner, inputs, response_mask.shape[1])
             logps = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
             logps = logps.sum(1)  # the sequence's log-prob
-            losses, ratio, clipped = rloo_loss(logps, micro["old_logps"].to(run.device),
-                                               micro["advantages"].to(run.device), args.cliprange)
+            old_logps, advantages = micro["old_logps"].to(run.device), micro["advantages"].to(run.device)
+            losses, ratio, clipped = rloo_loss(logps, old_logps, advantages, args.cliprange)
+            if args.loss == "copg":  # ALGO: the control: the same terms without ratio or clip
+                losses = copg_loss(logps, old_logps, advantages)
             losses = losses * micro["is_factor"].to(run.device)  # (1 without --is_correction)
             (losses.sum() * args.world_size / (args.batch_size * args.num_samples)).backward()
         outputs.append(torch.stack([losses, logps, ratio, clipped.float()]).detach().cpu())
     grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
+    before = core.parameters_copy(learner)  # (host memory: the update's size, for the logs)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
-    # What the step logs: means over all ranks' completions
+    # What the step logs: means over all ranks' completions. The lag: how far the policy is from
+    # the weights that sampled the batch (KL(mu || pi), k3 of the sequence log-ratio) and how far
+    # this step moved it (||delta theta|| / ||theta||)
     losses, logps, ratio, clipped = torch.cat(outputs, dim=1)
     old_gap, mask = logps - mini_batch["old_logps"], mini_batch["response_mask"]
+    generator_gap = (logps - mini_batch["generator_logps"]).double()
+    update = core.relative_update(learner, before, args.world_size)
     stats = core.step_stats(args.world_size, {
         "loss/policy": losses, "policy/clipfrac": clipped, "policy/ratio_mean": ratio,
-        "policy/approx_kl": 0.5 * old_gap**2, "logps/generator_gap": logps - mini_batch["generator_logps"],
+        "policy/approx_kl": 0.5 * old_gap**2, "logps/generator_gap": generator_gap,
+        "lag/kl": torch.expm1(generator_gap) - generator_gap,
         "objective/kl": mini_batch["kl"], "objective/rlhf_reward": mini_batch["rewards"],
         "reward/mean": mini_batch["scores"], "eos/fraction": mini_batch["eos"]},
         spread=("logps/generator_gap",), maxima={"policy/ratio_max": ratio.max().item()},
@@ -538,7 +554,7 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run
     if args.recompute_old_logprobs:  # (without it pi_old is mu: nothing to show)
         stats.update(core.offpolicy_stats(mini_batch["log_ratio"], mask, mini_batch["is_weights"],
                                           mini_batch["is_changed"], args.world_size))
-    return {"grad/norm": grad_norm, **stats}
+    return {"grad/norm": grad_norm, "lag/update": update, **stats}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------

@@ -468,18 +468,23 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
             ((losses * valid).sum() * args.world_size / num_valid).backward()
         outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
     grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
+    before = core.parameters_copy(learner)  # (host memory: the update's size, for the logs)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
-    # What the step logs: means over all ranks' valid pairs, prompts and completions
+    # What the step logs: means over all ranks' valid pairs, prompts and completions. The lag: how
+    # far the policy is from the weights that sampled the batch (KL(mu || pi), k3 of the sequence
+    # log-ratio) and how far this step moved it (||delta theta|| / ||theta||)
     losses, chosen_logps, rejected_logps = torch.cat(outputs, dim=1)
     valid, scores = mini_batch["valid"], mini_batch["scores"]
     generator_gap = torch.cat([chosen_logps - mini_batch["generator_chosen_logps"],
-                               rejected_logps - mini_batch["generator_rejected_logps"]])
-    return {"grad/norm": grad_norm, **core.step_stats(args.world_size, {
+                               rejected_logps - mini_batch["generator_rejected_logps"]]).double()
+    update = core.relative_update(learner, before, args.world_size)
+    return {"grad/norm": grad_norm, "lag/update": update, **core.step_stats(args.world_size, {
         "loss/dpo": (losses, valid), "logps/chosen": (chosen_logps, valid),
         "logps/rejected": (rejected_logps, valid), "logps/generator_gap": (generator_gap, valid.repeat(2)),
+        "lag/kl": (torch.expm1(generator_gap) - generator_gap, valid.repeat(2)),
         "reward/accuracy": scores.mean(1), "pairs/fraction": valid, "eos/fraction": mini_batch["eos"].mean(1)},
         spread=("logps/generator_gap",), lengths=mini_batch["lengths"], cut=1 - mini_batch["eos"])}
 

@@ -91,6 +91,8 @@ class Args:
     """learning rate of AdamW, decayed linearly to 0"""
     beta: float = 0.1
     """DPO beta: strength of the implicit KL penalty towards the SFT reference"""
+    loss: Literal["dpo", "best_of_k_sft"] = "dpo"
+    """`best_of_k_sft`: the paper's control, supervised fine-tuning on each prompt's best of K"""
     temperature: float = 0.7
     """sampling temperature; the learner divides its logits by it too, so its log-probs match"""
     num_samples: int = 2
@@ -290,7 +292,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                 staleness = version - batch["generation_version"]  # steps since it was sampled
                 stats = dpo_update(learner, optimizer, scheduler, mini_batch, args, run)
                 if args.generation_backend == "hf":  # no generator log-probs to compare with
-                    del stats["logps/generator_gap"], stats["logps/generator_gap_std"]
+                    del stats["logps/generator_gap"], stats["logps/generator_gap_std"], stats["lag/kl"]
                 version += 1
 
                 # 6. Log the step (and the round's timings with its last step)
@@ -307,7 +309,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                 metrics.log(record, metrics_file, args.track)
                 progress.update(1)
                 progress.set_postfix(reward=f"{stats['reward/mean']:.3f}",
-                                     loss=f"{stats['loss/dpo']:.3f}", staleness=staleness)
+                                     loss=f"{stats['loss/' + args.loss]:.3f}", staleness=staleness)
 
         # 7. SYNC: publish the newest weights and request the next round, which the learner awaits
         sync_start = time.time()
@@ -458,8 +460,10 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run: core.Run) -> dict:
     """One optimizer step on a mini-batch (gradients accumulated over its micro-batches): the mean
     loss over all ranks' valid pairs (DDP/FSDP average over ranks: the world_size factor)."""
-    valid_pairs = core.reduce_sums({"v": mini_batch["valid"].sum().item()}, args.world_size)["v"]
-    num_valid, steps = max(valid_pairs, 1.0), args.gradient_accumulation_steps
+    # ALGO: DPO counts the pairs with a preference; Best-of-K SFT every prompt's best completion
+    counted = mini_batch["valid"] if args.loss == "dpo" else torch.ones_like(mini_batch["valid"])
+    num_counted = max(core.reduce_sums({"n": counted.sum().item()}, args.world_size)["n"], 1.0)
+    steps = args.gradient_accumulation_steps
     size, outputs = args.per_device_train_batch_size, []
     for i in range(steps):
         micro = {key: value[i * size: (i + 1) * size] for key, value in mini_batch.items()}
@@ -474,23 +478,30 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
             chosen_logps, rejected_logps = logps.sum(1).chunk(2)
             ref_chosen, ref_rejected, valid = (micro[key].to(run.device) for key in (
                 "ref_chosen_logps", "ref_rejected_logps", "valid"))
-            losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta)
-            ((losses * valid).sum() * args.world_size / num_valid).backward()
+            if args.loss == "dpo":
+                losses = dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected, args.beta) * valid
+            else:  # the best completion's summed negative log-likelihood (rejected: for the logs)
+                losses = -chosen_logps
+            (losses.sum() * args.world_size / num_counted).backward()
         outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
     grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
+    before = core.parameters_copy(learner)  # (host memory: the update's size, for the logs)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
-    # What the step logs: means over all ranks' valid pairs, prompts and completions
+    # What the step logs: means over all ranks' valid pairs, prompts and completions. The lag: how
+    # far the policy is from the weights that sampled the batch (KL(mu || pi), k3 of the sequence
+    # log-ratio) and how far this step moved it (||delta theta|| / ||theta||)
     losses, chosen_logps, rejected_logps = torch.cat(outputs, dim=1)
     valid, scores = mini_batch["valid"], mini_batch["scores"]
     generator_gap = torch.cat([chosen_logps - mini_batch["generator_chosen_logps"],
-                               rejected_logps - mini_batch["generator_rejected_logps"]])
-    return {"grad/norm": grad_norm, **core.step_stats(args.world_size, {
-        "loss/dpo": (losses, valid), "logps/chosen": (chosen_logps, valid),
-        "logps/rejected": (rejected_logps, valid),
-        "logps/generator_gap": (generator_gap, valid.repeat(2)), "reward/mean": scores.mean(1),
+                               rejected_logps - mini_batch["generator_rejected_logps"]]).double()
+    update = core.relative_update(learner, before, args.world_size)
+    return {"grad/norm": grad_norm, "lag/update": update, **core.step_stats(args.world_size, {
+        f"loss/{args.loss}": (losses, counted), "logps/chosen": (chosen_logps, valid),
+        "logps/rejected": (rejected_logps, valid), "logps/generator_gap": (generator_gap, valid.repeat(2)),
+        "lag/kl": (torch.expm1(generator_gap) - generator_gap, valid.repeat(2)), "reward/mean": scores.mean(1),
         "reward/chosen": scores.max(1).values, "reward/rejected": scores.min(1).values,
         "pairs/valid_fraction": valid, "eos/fraction": mini_batch["eos"].mean(1)},
         spread=("logps/generator_gap",), lengths=mini_batch["lengths"], cut=1 - mini_batch["eos"])}

@@ -289,7 +289,7 @@ def precision_parity(args: Args, device: torch.device) -> None:
     for name, old_logprobs in (("recomputed", learner_logprobs), ("sampler's", sampler_logprobs)):
         mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logprobs=old_logprobs,
                           advantages=torch.randn_like(values), values=values, returns=values,
-                          response_mask=torch.ones(n, width), generator_gap=torch.zeros(n),
+                          response_mask=torch.ones(n, width), generator_logprobs=sampler_logprobs,
                           explained_variance=[0.0] * n, learner_log_ratio=log_ratio, is_weights=log_ratio.exp(),
                           is_factor=is_factor, is_changed=is_changed, is_terms=torch.ones(n, width).bool(),
                           **logged_only, kl=torch.zeros(n, width))

@@ -11,13 +11,17 @@ N = 64 runs two rounds within the demo's budget (its 1,920 episodes rounded to 2
 no evaluation during training, the final one on the whole validation split. For PPO and RLOO it adds, at N = 16
 and 64, the off-policy correction (`--recompute_old_logprobs --is_correction truncate`: the clip against the
 learner's pi_old, each term weighted by min(pi_old / mu, 2)), and at the largest N the recomputed pi_old alone (the
-paper code's). It prints a table of the final evaluations (mean ± standard error over seeds) and saves two plots:
+paper code's). The paper's two controls run beside them: Best-of-2 SFT (`async_dpo.py --loss best_of_k_sft`, its
+Figure 4) at every N, and CoPG-style RLOO (`async_rloo.py --loss copg`, its Figure 13) at N in {1, 4, 16}. It prints
+a table of the final evaluations (mean ± standard error over seeds) with each run's mean lag (`lag/kl`, the KL from
+the sampling weights to the learner's on the sampled completions, and `lag/update`, the relative size of a step) and
+saves two plots:
 
   off_policy_frontier.png   gold win rate and gold mean score against perplexity, a marker per (algorithm, N)
   off_policy_by_n.png       final gold win rate and gold mean score against N, per algorithm
 
-    python benchmarks/off_policy.py            # 3 algorithms x N in {1, ..., 64} x 3 seeds: ~1 hour on 2 cores
-    python benchmarks/off_policy.py --quick    # DPO at N in {1, 2}, corrected RLOO at N = 2: one seed, for CI
+    python benchmarks/off_policy.py            # 5 learning rules x N in {1, ..., 64} x 3 seeds: hours on 2 cores
+    python benchmarks/off_policy.py --quick    # DPO at N in {1, 2}, the rest at N = 2: one seed, for CI
 """
 import json
 import math
@@ -34,15 +38,18 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-SCRIPTS = {"dpo": "async_dpo.py", "ppo": "async_ppo.py", "rloo": "async_rloo.py"}
+SCRIPTS = {"dpo": ("async_dpo.py", []), "ppo": ("async_ppo.py", []), "rloo": ("async_rloo.py", []),  # (flags)
+           "bo2_sft": ("async_dpo.py", ["--loss", "best_of_k_sft"]), "copg": ("async_rloo.py", ["--loss", "copg"])}
+Algorithm = Literal["dpo", "ppo", "rloo", "bo2_sft", "copg"]
 FINAL_METRICS = {"gold win rate": "eval/gold_win_rate", "gold score": "eval/gold_reward",
                  "perplexity": "eval/perplexity", "proxy score": "eval/proxy_reward"}
 
 
 @dataclass
 class Args:
-    algorithms: list[Literal["dpo", "ppo", "rloo"]] = field(default_factory=lambda: ["dpo", "ppo", "rloo"])
-    """which scripts to sweep (async_dpo.py, async_ppo.py, async_rloo.py)"""
+    algorithms: list[Algorithm] = field(default_factory=lambda: ["dpo", "ppo", "rloo", "bo2_sft", "copg"])
+    """which learning rules to sweep: async_dpo.py, async_ppo.py, async_rloo.py, and the controls Best-of-2 SFT
+    (async_dpo.py --loss best_of_k_sft) and CoPG-style RLOO (async_rloo.py --loss copg)"""
     n_values: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     """N: mini-batches generated with one set of weights (--num_mini_batches); each must divide the episodes"""
     batch_size: int = 16
@@ -53,6 +60,8 @@ class Args:
     """training prompts per run, the same at every N (the demos' 1,920 rounded to a multiple of 64 x 16)"""
     recompute_at_largest_n: bool = True
     """also run PPO and RLOO with --recompute_old_logprobs at the largest N"""
+    copg_n_values: list[int] = field(default_factory=lambda: [1, 4, 16])
+    """N at which CoPG-style RLOO runs (the paper's Figure 13: N in {1, 4, 16})"""
     correction_n_values: list[int] = field(default_factory=lambda: [16, 64])
     """N at which PPO and RLOO also run with --recompute_old_logprobs --is_correction truncate"""
     tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
@@ -62,8 +71,8 @@ class Args:
     runs_dir: Optional[str] = None
     """where each run's folder (metrics.jsonl, generator log) goes; default: a temporary folder, deleted after"""
     quick: bool = False
-    """async_dpo.py at N in {1, 2} and corrected RLOO at N = 2, one seed, 256 episodes: checks that the
-    benchmark works, measures nothing"""
+    """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT and CoPG at N = 2; one seed, 256 episodes:
+    checks that the benchmark works, measures nothing"""
 
 
 IS_METRICS = ("is/weight_min", "is/weight_max", "is/ess_fraction", "is/changed_fraction")
@@ -76,20 +85,21 @@ VARIANTS = {  # name: (flags, label in the table)
 
 def run(args: Args, algorithm: str, n: int, seed: int, variant: str, output_dir: str) -> dict:
     """One training run; returns its final evaluation, the staleness of each step and its wall-clock time."""
-    start = time.time()
-    result = subprocess.run([sys.executable, os.path.join(REPO, SCRIPTS[algorithm]), "--model", "tiny", "--tiny_dir",
+    start, (script, flags) = time.time(), SCRIPTS[algorithm]
+    result = subprocess.run([sys.executable, os.path.join(REPO, script), "--model", "tiny", "--tiny_dir",
                              args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, "--num_mini_batches",
                              str(n), "--total_episodes", str(args.total_episodes), "--batch_size",
-                             str(args.batch_size), "--eval_every", "0", *VARIANTS[variant][0]],
+                             str(args.batch_size), "--eval_every", "0", *flags, *VARIANTS[variant][0]],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
-        sys.exit(f"{SCRIPTS[algorithm]} failed at N={n}, seed {seed}:\n{result.stderr[-3000:]}")
+        sys.exit(f"{script} {' '.join(flags)} failed at N={n}, seed {seed}:\n{result.stderr[-3000:]}")
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     evals = [r for r in records if "eval/gold_win_rate" in r]
     steps = [r for r in records if "staleness" in r]
     weights = {key: [r[key] for r in steps] for key in IS_METRICS if key in steps[0]}  # (corrected runs)
     return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps], weights=weights,
-                seconds=time.time() - start)
+                lag=statistics.mean(r["lag/kl"] for r in steps),
+                update=statistics.mean(r["lag/update"] for r in steps), seconds=time.time() - start)
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
@@ -110,13 +120,15 @@ if __name__ == "__main__":
         if n <= 0 or args.total_episodes % (args.batch_size * n):
             sys.exit(f"--n_values: each N must be positive and divide --total_episodes {args.total_episodes} into "
                      f"rounds of N x {args.batch_size} prompts; {n} does not")
-    points = [(a, n, "plain") for a in args.algorithms for n in args.n_values]
-    points += [(a, n, "corrected") for a in args.algorithms if a != "dpo" for n in args.correction_n_values
+    points = [(a, n, "plain") for a in args.algorithms for n in args.n_values
+              if a != "copg" or n in args.copg_n_values]
+    points += [(a, n, "corrected") for a in args.algorithms if a in ("ppo", "rloo") for n in args.correction_n_values
                if n in args.n_values]
     if args.recompute_at_largest_n:
-        points += [(a, max(args.n_values), "recompute") for a in args.algorithms if a != "dpo"]
-    if args.quick:  # and the corrected variant once
-        points = [(a, n, v) for a, n, v in points if v == "plain"] + [("rloo", 2, "corrected")]
+        points += [(a, max(args.n_values), "recompute") for a in args.algorithms if a in ("ppo", "rloo")]
+    if args.quick:  # and the corrected variant and the two controls once
+        points = [(a, n, v) for a, n, v in points if v == "plain"]
+        points += [("rloo", 2, "corrected"), ("bo2_sft", 2, "plain"), ("copg", 2, "plain")]
 
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="off_policy_")
     runs, sweep_start = {}, time.time()
@@ -140,8 +152,9 @@ if __name__ == "__main__":
           f"perplexity {sft['eval/perplexity']:.3f}; final evaluations on {num_final} prompts "
           f"(binomial stderr of one win rate at most {math.sqrt(0.25 / num_final):.3f}); "
           f"{len(args.seeds)} seed(s) per row, mean ± standard error over seeds")
-    print("\n| algorithm | N | staleness | gold win rate | gold score | perplexity | proxy score | wall time |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| algorithm | N | staleness | gold win rate | gold score | perplexity | proxy score | lag/kl "
+          "| lag/update | wall time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     table = {}
     for algorithm, n, variant in points:
         seeds = [runs[algorithm, n, variant, s] for s in args.seeds]
@@ -149,6 +162,7 @@ if __name__ == "__main__":
         staleness = sorted({s for r in seeds for s in r["staleness"]})
         print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {staleness[0]}..{staleness[-1]} | " + " | ".join(
             fmt(values, 2 if name == "perplexity" else 3) for name, values in table[algorithm, n, variant].items())
+            + f" | {fmt([r['lag'] for r in seeds], 4)} | {fmt([r['update'] for r in seeds], 5)}"
             + f" | {statistics.mean(r['seconds'] for r in seeds):.0f} s |")
     corrected = [(a, n) for a, n, v in points if v == "corrected"]
     if corrected:
@@ -166,7 +180,7 @@ if __name__ == "__main__":
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    markers, colors = {"dpo": "o", "ppo": "s", "rloo": "^"}, plt.cm.viridis
+    markers, colors = {"dpo": "o", "ppo": "s", "rloo": "^", "bo2_sft": "D", "copg": "v"}, plt.cm.viridis
     fill = {"plain": "full", "recompute": "none", "corrected": "left"}
     n_color = {n: colors(i / max(len(args.n_values) - 1, 1)) for i, n in enumerate(sorted(args.n_values))}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -191,8 +205,9 @@ if __name__ == "__main__":
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, ("gold win rate", "gold score")):
         for i, algorithm in enumerate(args.algorithms):
-            means = [mean_and_stderr(table[algorithm, n, "plain"][metric]) for n in args.n_values]
-            ax.errorbar(args.n_values, [m for m, _ in means], yerr=[e for _, e in means], marker=markers[algorithm],
+            at = [n for n in args.n_values if (algorithm, n, "plain") in table]  # (CoPG: its own N)
+            means = [mean_and_stderr(table[algorithm, n, "plain"][metric]) for n in at]
+            ax.errorbar(at, [m for m, _ in means], yerr=[e for _, e in means], marker=markers[algorithm],
                         color=f"C{i}", capsize=3, label=algorithm)
             for variant, shift in (("recompute", 1.1), ("corrected", 0.9)):
                 at = [n for n in args.n_values if (algorithm, n, variant) in table]

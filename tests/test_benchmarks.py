@@ -93,10 +93,10 @@ def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
 
 
 def test_off_policy_quick(tiny_dir, tmp_path):
-    """Two N values for async_dpo.py and corrected RLOO at one: the table and both plots come out, every run logged
-    its final gold win rate, and N mini-batches per round give the staleness they should (0..N-1 in the first
-    round, N..2N-1 after): N mini-batches share one set of generating weights, so staleness climbs within a
-    round."""
+    """Two N values for async_dpo.py; corrected RLOO and the two controls at one: the table and both plots come out,
+    every run logged its final gold win rate and its lag, and N mini-batches per round give the staleness they
+    should (0..N-1 in the first round, N..2N-1 after): N mini-batches share one set of generating weights, so
+    staleness climbs within a round."""
     runs = tmp_path / "runs"
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "off_policy.py"))
@@ -105,6 +105,10 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     assert [row.split(" | ")[1:3] for row in rows] == [["1", "0..1"], ["2", "0..3"]], result.stdout
     assert "| rloo (recompute + truncated IS) | 2 | 0..3 |" in result.stdout  # the off-policy correction
     assert "rloo N = 2: w from " in result.stdout  # and the weights it applied, summarised
+    for control in ("bo2_sft", "copg"):  # the paper's two controls, with the lag each run measured
+        row = next(line for line in result.stdout.splitlines() if line.startswith(f"| {control} | 2 |"))
+        lag_kl, update = (float(cell.split(" ± ")[0]) for cell in row.split(" | ")[7:9])
+        assert lag_kl > 0 and update > 0, row
     corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
     assert len(corrected) == 256 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
     for name in ("off_policy_frontier.png", "off_policy_by_n.png"):

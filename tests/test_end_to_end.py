@@ -11,7 +11,7 @@ from conftest import TORCHRUN_2, run_script
 
 STEP_METRICS = ["step", "episode", "staleness", "time/generation", "time/training", "time/weight_sync",
                 "time/learner_wait", "time/step", "reward/mean", "reward/chosen", "reward/rejected", "loss/dpo",
-                "logps/chosen", "logps/rejected", "eos/fraction", "lr"]
+                "logps/chosen", "logps/rejected", "eos/fraction", "lag/update", "lr"]
 EVAL_METRICS = ["eval/proxy_win_rate", "eval/proxy_win_rate_stderr", "eval/proxy_reward", "eval/gold_win_rate",
                 "eval/gold_win_rate_stderr", "eval/gold_reward", "eval/perplexity", "eval/perplexity_paper",
                 "eval/num_prompts", "time/elapsed"]
@@ -80,6 +80,9 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     # differ once the learner is a step ahead: the weights and the temperature scaling reach the generator intact
     gaps = [abs(r["logps/generator_gap"]) for r in steps]
     assert gaps[0] < 1e-4 and sorted(gaps[1:])[len(gaps) // 2] > 1e-3
+    # so the lag, KL(mu || pi) on the sampled pairs, is ~0 at step 1 and then positive; every step moves the weights
+    lags = [r["lag/kl"] for r in steps]
+    assert lags[0] < 1e-8 and min(lags[1:]) > 100 * lags[0] and all(r["lag/update"] > 0 for r in steps)
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60]
     assert all(set(EVAL_METRICS) <= set(r) and len(r["eval/samples"]) == 3 for r in evals)
     # 128 validation prompts during training; the final evaluation takes the whole split

@@ -79,7 +79,7 @@ def test_evaluation_set_puts_training_evaluations_first_and_labels_each_split(gs
 
 
 STEP_METRICS = ["step", "staleness", "reward/accuracy", "pairs/fraction", "loss/dpo", "logps/generator_gap",
-                "time/generation", "time/training", "time/learner_wait", "eos/fraction"]
+                "lag/kl", "lag/update", "time/generation", "time/training", "time/learner_wait", "eos/fraction"]
 
 
 def run_gsm8k(gsm8k_dir: str, out, *flags: str) -> tuple[list, list, str]:

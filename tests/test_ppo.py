@@ -28,8 +28,8 @@ CPU = torch.device("cpu")
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "loss/value", "policy/clipfrac", "policy/approx_kl",
                 "policy/ratio_mean", "policy/ratio_max", "value/clipfrac", "value/explained_variance",
                 "objective/kl", "objective/non_score_reward", "objective/entropy", "objective/rlhf_reward",
-                "reward/mean", "eos/fraction", "logps/generator_gap", "time/generation", "time/training",
-                "time/weight_sync", "time/learner_wait", "lr"]
+                "reward/mean", "eos/fraction", "logps/generator_gap", "lag/kl", "lag/update", "time/generation",
+                "time/training", "time/weight_sync", "time/learner_wait", "lr"]
 
 
 def test_gae_matches_a_hand_computed_example():

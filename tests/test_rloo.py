@@ -21,7 +21,8 @@ from plumbing import core
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "policy/clipfrac", "policy/approx_kl",
                 "policy/ratio_mean", "policy/ratio_max", "objective/kl", "objective/non_score_reward",
                 "objective/rlhf_reward", "advantage/std", "reward/mean", "eos/fraction", "logps/generator_gap",
-                "time/generation", "time/training", "time/weight_sync", "time/learner_wait", "lr"]
+                "lag/kl", "lag/update", "time/generation", "time/training", "time/weight_sync", "time/learner_wait",
+                "lr"]
 
 
 def test_leave_one_out_advantages_k2():
@@ -193,3 +194,18 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, four_samples_run):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3), key
     assert [r["eval/gold_win_rate"] for r in evals] == [r["eval/gold_win_rate"] for r in single_evals]
 
+
+
+def test_copg_loss_has_vanilla_rloos_gradient_at_any_staleness():
+    """--loss copg (the paper's Appendix B): -A log(pi(y) / pi_old(y)) has the gradient -A grad log pi(y) of vanilla
+    RLOO whatever pi_old is, where the proximal loss, clipped (r = e with A > 0, r = 1/e with A < 0), has none."""
+    logps = torch.tensor([-3.0, -4.0, -2.0], requires_grad=True)
+    old_logps, advantages = torch.tensor([-3.0, -5.0, -1.0]), torch.tensor([1.0, 2.0, -0.5])
+    async_rloo.copg_loss(logps, old_logps, advantages).sum().backward()
+    torch.testing.assert_close(logps.grad, -advantages)
+    torch.testing.assert_close(async_rloo.copg_loss(logps, old_logps, advantages).detach(),
+                               -advantages * torch.tensor([0.0, 1.0, -1.0]))
+    proximal, _, clipped = rloo_loss(logps, old_logps, advantages, cliprange=0.2)
+    logps.grad = None
+    proximal.sum().backward()
+    assert clipped.tolist() == [False, True, True] and logps.grad.tolist() == [-1.0, 0.0, 0.0]

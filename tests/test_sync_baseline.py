@@ -25,9 +25,9 @@ def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path, backend):
         assert all(r["time/learner_wait"] >= 0.8 * r["time/generation"]
                    for r in steps[1:] if r["step"] not in after_eval)
         # on-policy to the last bit: vLLM's log-probs of the pairs match the learner's at every step
-        assert all(abs(r["logps/generator_gap"]) < 1e-4 for r in steps)
+        assert all(abs(r["logps/generator_gap"]) < 1e-4 and r["lag/kl"] < 1e-8 for r in steps)
     else:
-        assert all("logps/generator_gap" not in r for r in steps)
+        assert all("logps/generator_gap" not in r and "lag/kl" not in r for r in steps)
 
 
 def test_sync_baseline_num_mini_batches_staleness(tiny_dir, tmp_path):
@@ -38,4 +38,7 @@ def test_sync_baseline_num_mini_batches_staleness(tiny_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     steps, _ = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0, 1, 0, 1, 0, 1]
+    # the lag follows: KL(mu || pi) ~0 on the batch of the step's own weights, far above that one step later
+    fresh, stale = [r["lag/kl"] for r in steps[::2]], [r["lag/kl"] for r in steps[1::2]]
+    assert max(fresh) < 1e-8 and min(stale) > 100 * max(fresh)
 

@@ -248,3 +248,66 @@ def test_resume_allocates_the_optimizer_state_without_a_gradient_set():
     assert all(p.grad is None for p in model.parameters()) and optimizer.param_groups[0]["lr"] == 0.1
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert all(set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in model.parameters())
+
+
+def _one_sgd_step_args(script, rows: int, **flags):
+    """A script's Args for one optimizer step of one micro-batch of `rows` prompts on one learner process."""
+    run_args = script.Args(**flags)
+    run_args.world_size, run_args.batch_size, run_args.local_batch_size = 1, rows, rows
+    run_args.per_device_train_batch_size, run_args.gradient_accumulation_steps = rows, 1
+    return run_args
+
+
+def _step_with_sgd(update, policy, mini_batch: dict, args) -> tuple[list, dict]:
+    """Run the script's update with plain SGD at lr 1: the weights move by minus the gradient, which it returns."""
+    before = [p.detach().clone() for p in policy.parameters()]
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stats = update(policy, optimizer, scheduler, mini_batch, args, core.Run(CPU, torch.autocast("cpu", enabled=False),
+                                                                            EOS, PAD))
+    return [old - p.detach() for old, p in zip(before, policy.parameters())], stats
+
+
+def test_best_of_k_sft_step_follows_the_best_completions_negative_log_likelihood(tiny_dir):
+    """--loss best_of_k_sft: one step's gradient is that of the mean over prompts of -log pi(best completion),
+    worked by hand from the model, the rejected completions playing no part and a prompt whose K completions tie
+    (no DPO pair) counting like any other; the DPO step on the same batch differs."""
+    import async_dpo
+
+    prompts, chosen, rejected = [[5, 6, 7], [8, 9]], [[10, 11, EOS], [12]], [[13, 14], [12]]
+    valid = torch.tensor([1.0, 0.0])  # the second prompt's completions tied
+    mini_batch = dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=valid, scores=torch.zeros(2, 2),
+                      eos=torch.ones(2, 2), lengths=torch.tensor([[3, 2], [1, 1]]),
+                      generator_chosen_logps=torch.zeros(2), generator_rejected_logps=torch.zeros(2),
+                      ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
+    sft = os.path.join(tiny_dir, "sft")
+    by_hand = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
+    inputs, mask = collate(prompts, chosen, PAD, CPU)
+    logps = token_logprobs(response_logits(by_hand, inputs, mask.shape[1]), inputs["input_ids"], mask, 0.7).sum(1)
+    (-logps.mean()).backward()
+    steps = {}
+    for loss in ("best_of_k_sft", "dpo"):
+        policy = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
+        args = _one_sgd_step_args(async_dpo, 2, loss=loss, temperature=0.7)
+        steps[loss], stats = _step_with_sgd(async_dpo.dpo_update, policy, mini_batch, args)
+        assert f"loss/{loss}" in stats and stats["lag/update"] > 0
+    for moved, param in zip(steps["best_of_k_sft"], by_hand.parameters()):
+        torch.testing.assert_close(moved, param.grad, atol=1e-6, rtol=1e-4)
+    assert not all(torch.allclose(a, b) for a, b in zip(steps["best_of_k_sft"], steps["dpo"]))
+
+
+def test_the_lag_kl_is_an_unbiased_k3_estimate_and_the_update_is_relative():
+    """lag/kl's estimator, expm1(d) - d with d = log pi(y) - log mu(y) for y sampled from mu, averages to the exact
+    KL(mu || pi) (a three-outcome example, 200,000 samples); relative_update measures ||delta theta|| / ||theta||."""
+    mu, pi = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    exact = (mu * (mu / pi).log()).sum().item()
+    samples = torch.multinomial(mu, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    gap = pi.log()[samples] - mu.log()[samples]
+    assert (torch.expm1(gap) - gap).mean().item() == pytest.approx(exact, rel=0.02)
+    model = torch.nn.Linear(3, 4)
+    with torch.no_grad():
+        model.weight.fill_(1.0), model.bias.fill_(0.0)  # ||theta|| = sqrt(12)
+        before = core.parameters_copy(model)
+        model.weight[0, 0] += 0.6
+        model.bias[1] -= 0.8  # ||delta theta|| = 1
+    assert core.relative_update(model, before, world_size=1) == pytest.approx(1 / math.sqrt(12))
