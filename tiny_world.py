@@ -171,6 +171,74 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: fl
     return policy.eval()
 
 
+def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gold, progress) -> tuple:
+    """The SFT recipe: the first seed whose greedy summaries end (EOS) and beat the references 17-43% of the time
+    under the gold model. At this size the win rate swings between 0.1 and 0.85 with the seed alone, and with the
+    step (one seed: 0.79, 0.59, 0.33, 0.55 at steps 80, 85, 90, 95); most runs land above the range, about one seed
+    in ten at 90 steps lands in it. So at most SFT_SEEDS seeds train SFT_STEPS steps each (a few seconds a seed); if
+    none lands, the snapshots taken on the way (SFT_SNAPSHOTS steps, about one in four lands) are scored in turn, and
+    the closest of everything scored is the last resort. No seed is trained twice. Returns the policy and what the
+    world's report says of it."""
+    from transformers import GPTNeoXForCausalLM
+
+    eos = tokenizer.eos_token_id
+    val_prompts = encode(tokenizer, [r["query"] for r in validation])
+    val_references = encode(tokenizer, [r["reference_response"] for r in validation])
+    with torch.no_grad():
+        gold_references = reward_scores(gold, val_prompts, val_references, eos)
+
+    def sft_quality(policy) -> tuple[float, float, float]:
+        """Gold and judge win rates of the greedy summaries against the references, and how many end."""
+        greedy = sample(policy, val_prompts, eos, 0.0, 16)
+        with torch.no_grad():
+            gold_scores = reward_scores(gold, val_prompts, greedy, eos)
+        judge_wins = [judge_tokens(tokenizer, r["query"], g) > judge(r["query"], r["summary"], True)
+                      for r, g in zip(validation, greedy)]
+        return ((gold_scores > gold_references).float().mean().item(), sum(judge_wins) / len(judge_wins),
+                sum(g[-1:] == [eos] for g in greedy) / len(greedy))
+
+    def good(quality: tuple) -> bool:
+        return SFT_WIN_RATE_RANGE[0] <= quality[0] <= SFT_WIN_RATE_RANGE[1] and quality[2] >= 0.98
+
+    def try_sft(seed: int, steps: int, policy) -> bool:
+        tried[seed, steps] = sft_quality(policy)
+        win_rate, _, ends = tried[seed, steps]
+        progress(f"SFT seed {seed} at {steps} steps: gold win rate {win_rate:.2f}, ends {ends:.2f} -> "
+                 f"{'kept' if good(tried[seed, steps]) else 'rejected'}")
+        return good(tried[seed, steps])
+
+    def keep_snapshots(seed: int):
+        def after_step(step: int, policy) -> None:
+            if step in SFT_SNAPSHOTS:
+                snapshots[seed, step] = {k: v.clone() for k, v in policy.state_dict().items()}
+        return after_step
+
+    def from_snapshot(key: tuple):
+        policy = GPTNeoXForCausalLM(config)
+        policy.load_state_dict(snapshots[key])
+        return policy.eval()
+
+    tried, snapshots, last = {}, {}, {}
+    for seed in range(SFT_SEEDS):
+        policy = train_sft(config, tokenizer, train, seed, steps=SFT_STEPS, after_step=keep_snapshots(seed))
+        last[seed] = policy
+        if try_sft(seed, SFT_STEPS, policy):
+            chosen = seed, SFT_STEPS
+            break
+    else:
+        for chosen in sorted(snapshots, key=lambda k: (k[0], SFT_SNAPSHOTS.index(k[1]))):
+            policy = from_snapshot(chosen)
+            if try_sft(*chosen, policy):
+                break
+        else:  # nothing landed: the closest of everything scored
+            chosen = min(tried, key=lambda k: (tried[k][2] < 0.98, abs(tried[k][0] - sum(SFT_WIN_RATE_RANGE) / 2)))
+            policy = last[chosen[0]] if chosen[1] == SFT_STEPS else from_snapshot(chosen)
+    snapshots.clear()
+    return policy, dict(sft_seed=chosen[0], sft_steps=chosen[1], sft_gold_win_rate=tried[chosen][0],
+                        sft_judge_win_rate=tried[chosen][1], sft_eos_fraction=tried[chosen][2],
+                        sft_tried={f"seed {seed} at {steps} steps": v for (seed, steps), v in tried.items()})
+
+
 def candidates(rng: random.Random, tokenizer, row: dict, samples: list[list[int]]) -> list[list[int]]:
     """Summaries of one post to compare: the policy's samples, the reference, synthetic summaries of mixed words
     (some without EOS) and one-word edits (a word replaced, inserted or dropped)."""
@@ -352,7 +420,7 @@ def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
 def build_tldr_here(tiny_dir: str) -> None:
     """The TL;DR world's build itself (build_tldr runs it in a child process)."""
     import transformers
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXConfig
 
     transformers.utils.logging.disable_progress_bar()
     progress, report = Progress("the tiny TL;DR world", tiny_dir), {}
@@ -365,7 +433,6 @@ def build_tldr_here(tiny_dir: str) -> None:
                                intermediate_size=512, max_position_embeddings=512, bos_token_id=eos, eos_token_id=eos,
                                num_labels=1)
         val_prompts = encode(tokenizer, [r["query"] for r in validation])
-        val_references = encode(tokenizer, [r["reference_response"] for r in validation])
         report["reference_judge_mean"] = sum(judge(r["query"], r["summary"], True) for r in validation) / 512
         progress("data and tokenizer")
 
@@ -384,65 +451,9 @@ def build_tldr_here(tiny_dir: str) -> None:
         report["seconds_to_gold"] = round(progress.seconds(), 1)
         progress("gold reward model")
 
-        # 3. The SFT policy: the first seed whose greedy summaries end (EOS) and beat the references 17-43% of the
-        # time under the gold model. At this size the win rate swings between 0.1 and 0.85 with the seed alone, and
-        # with the step (one seed: 0.79, 0.59, 0.33, 0.55 at steps 80, 85, 90, 95); most runs land above the range,
-        # about one seed in ten at 90 steps lands in it. So at most SFT_SEEDS seeds train SFT_STEPS steps each (a
-        # few seconds a seed); if none lands, the snapshots taken on the way (SFT_SNAPSHOTS steps, about one in four
-        # lands) are scored in turn, and the closest of everything scored is the last resort. No seed is trained twice.
-        with torch.no_grad():
-            gold_references = reward_scores(gold, val_prompts, val_references, eos)
-
-        def sft_quality(policy) -> tuple[float, float, float]:
-            """Gold and judge win rates of the greedy summaries against the references, and how many end."""
-            greedy = sample(policy, val_prompts, eos, 0.0, 16)
-            with torch.no_grad():
-                gold_scores = reward_scores(gold, val_prompts, greedy, eos)
-            judge_wins = [judge_tokens(tokenizer, r["query"], g) > judge(r["query"], r["summary"], True)
-                          for r, g in zip(validation, greedy)]
-            return ((gold_scores > gold_references).float().mean().item(), sum(judge_wins) / len(judge_wins),
-                    sum(g[-1:] == [eos] for g in greedy) / len(greedy))
-
-        def good(quality: tuple) -> bool:
-            return SFT_WIN_RATE_RANGE[0] <= quality[0] <= SFT_WIN_RATE_RANGE[1] and quality[2] >= 0.98
-
-        def try_sft(seed: int, steps: int, policy) -> bool:
-            tried[seed, steps] = sft_quality(policy)
-            win_rate, _, ends = tried[seed, steps]
-            progress(f"SFT seed {seed} at {steps} steps: gold win rate {win_rate:.2f}, ends {ends:.2f} -> "
-                     f"{'kept' if good(tried[seed, steps]) else 'rejected'}")
-            return good(tried[seed, steps])
-
-        def keep_snapshots(seed: int):
-            def after_step(step: int, policy) -> None:
-                if step in SFT_SNAPSHOTS:
-                    snapshots[seed, step] = {k: v.clone() for k, v in policy.state_dict().items()}
-            return after_step
-
-        def from_snapshot(key: tuple):
-            policy = GPTNeoXForCausalLM(config)
-            policy.load_state_dict(snapshots[key])
-            return policy.eval()
-
-        tried, snapshots, last = {}, {}, {}
-        for seed in range(SFT_SEEDS):
-            policy = train_sft(config, tokenizer, train, seed, steps=SFT_STEPS, after_step=keep_snapshots(seed))
-            last[seed] = policy
-            if try_sft(seed, SFT_STEPS, policy):
-                chosen = seed, SFT_STEPS
-                break
-        else:
-            for chosen in sorted(snapshots, key=lambda k: (k[0], SFT_SNAPSHOTS.index(k[1]))):
-                policy = from_snapshot(chosen)
-                if try_sft(*chosen, policy):
-                    break
-            else:  # nothing landed: the closest of everything scored
-                chosen = min(tried, key=lambda k: (tried[k][2] < 0.98, abs(tried[k][0] - sum(SFT_WIN_RATE_RANGE) / 2)))
-                policy = last[chosen[0]] if chosen[1] == SFT_STEPS else from_snapshot(chosen)
-        snapshots.clear()
-        report.update(sft_seed=chosen[0], sft_steps=chosen[1], sft_gold_win_rate=tried[chosen][0],
-                      sft_judge_win_rate=tried[chosen][1], sft_eos_fraction=tried[chosen][2],
-                      sft_tried={f"seed {seed} at {steps} steps": v for (seed, steps), v in tried.items()})
+        # 3. The SFT policy, by the recipe of choose_sft (a seed whose gold win rate lands in range)
+        policy, sft_report = choose_sft(config, tokenizer, train, validation, gold, progress)
+        report.update(sft_report)
 
         # 5. The proxy: pairs of candidates from 2,000 other posts, labelled by the gold model (the paper's
         # relabelling), trained from the SFT policy's weights
@@ -476,20 +487,96 @@ def build_tldr_here(tiny_dir: str) -> None:
              f"saved in {tiny_dir}")
 
 
+# Policies and proxy reward models of several sizes beside the TL;DR world (benchmarks/scaling.py): name ->
+# (hidden size, layers, heads: vLLM's CPU attention takes heads of 32 dimensions or more). "base" is the world's
+# own policy; the sizes span ~20x in parameters (0.18M, 0.55M, 3.47M with the world's 598 tokens).
+SIZES = {"small": (64, 2, 2), "base": (128, 2, 4), "large": (256, 4, 4)}
+SIZED_PROXY_STEPS = 200  # every proxy the same steps on the same pairs (no early stop: sizes differ only in size)
+
+
+def build_sized(sized_dir: str, base_dir: str = "~/.cache/async-rlhf/tiny-v3", quick: bool = False) -> dict:
+    """Beside the TL;DR world in `base_dir` (built first if missing, and left as it is), an SFT policy of each of
+    SIZES fine-tuned by the world's recipe (choose_sft; "base" is the world's own) and a proxy reward model of each
+    size, all trained on the same gold-labelled pairs from their size's SFT weights. The judge, the gold reward
+    model, the data and the tokenizer are the world's. `quick` (for CI): the two smaller sizes, the proxies' pairs
+    from 500 posts and 40 steps.
+    Returns {"policy": {size: folder}, "proxy": {size: folder}, "base": base_dir}; world.json reports each
+    model's parameters, each policy's SFT gold win rate and each proxy's agreement with gold."""
+    base_dir, sized_dir = os.path.expanduser(base_dir), os.path.expanduser(sized_dir)
+    build_tldr(base_dir)
+    if not os.path.exists(os.path.join(sized_dir, "world.json")):
+        build_in_own_process("sized", sized_dir, base_dir, str(int(quick)))
+    sizes = json.load(open(os.path.join(sized_dir, "world.json")))["sizes"]
+    return {"policy": {size: os.path.join(sized_dir, f"policy-{size}") for size in sizes},
+            "proxy": {size: os.path.join(sized_dir, f"proxy-{size}") for size in sizes}, "base": base_dir}
+
+
+def build_sized_here(sized_dir: str, base_dir: str, quick: str) -> None:
+    """build_sized's build (in a child process, as build_tldr's)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig
+
+    transformers.utils.logging.disable_progress_bar()
+    quick = bool(int(quick))
+    sizes = dict(list(SIZES.items())[:2]) if quick else SIZES
+    progress, report = Progress(f"policies and proxies of {len(sizes)} sizes", sized_dir), {"sizes": {}}
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(base_dir, "sft"))
+    splits = {split: [json.loads(line) for line in open(os.path.join(base_dir, "data", f"{split}.jsonl"))]
+              for split in ("train", "validation")}
+    train, validation = splits["train"], splits["validation"]
+    gold = AutoModelForSequenceClassification.from_pretrained(os.path.join(base_dir, "gold")).eval()
+    base_policy = AutoModelForCausalLM.from_pretrained(os.path.join(base_dir, "sft")).eval()
+    eos, models = tokenizer.eos_token_id, {}
+    with deterministic(2) as rng:
+        # The pairs every proxy trains on: candidates of 2,000 posts (the world's SFT samples among them), labelled
+        # by the gold model, as the world's proxy's; held-out sets for the agreement and the normalisation
+        pairs = [(prompt, rng.sample(completions, 2)) for prompt, completions in
+                 candidate_sets(rng, base_policy, tokenizer, train[2000:2500 if quick else 4000]) for _ in range(3)]
+        pairs = [(prompt, pair, scores.tolist()) for (prompt, pair), scores in
+                 zip(pairs, score_sets(gold, pairs, eos))]
+        held_out = held_out_sets(base_policy, tokenizer, validation[:256])
+        gold_scored = score_sets(gold, held_out, eos)
+        progress("gold-labelled pairs")
+        for size, (hidden, layers, heads) in sizes.items():
+            config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=heads, intermediate_size=4 * hidden,
+                                   max_position_embeddings=512, bos_token_id=eos, eos_token_id=eos, num_labels=1)
+            if size == "base":  # the world's own policy (its recipe's outcome at this size)
+                world = json.load(open(os.path.join(base_dir, "world.json")))
+                policy, sft_report = base_policy, {k: world[k] for k in ("sft_seed", "sft_steps", "sft_gold_win_rate")}
+            else:
+                policy, sft_report = choose_sft(config, tokenizer, train, validation, gold, progress)
+            proxy, _ = train_reward_model(config, policy.state_dict(), pairs, steps=40 if quick else SIZED_PROXY_STEPS,
+                                          per_step=64, lr=1e-3, seed=2, dense=False)
+            normalise(proxy, held_out, eos)
+            models[f"policy-{size}"], models[f"proxy-{size}"] = policy, proxy
+            report["sizes"][size] = dict(
+                hidden_size=hidden, layers=layers, parameters=sum(p.numel() for p in policy.parameters()),
+                proxy_gold_agreement=agreement(score_sets(proxy, held_out, eos), gold_scored),
+                **{k: sft_report[k] for k in ("sft_seed", "sft_steps", "sft_gold_win_rate")})
+            progress(f"{size} ({hidden} wide, {layers} layers): SFT gold win rate "
+                     f"{report['sizes'][size]['sft_gold_win_rate']:.2f}, proxy agrees with gold "
+                     f"{report['sizes'][size]['proxy_gold_agreement']:.2f}")
+    report.update(base=base_dir, quick=quick, build_seconds=round(progress.seconds(), 1))
+    save_world(sized_dir, {}, models, tokenizer, report)
+    progress(f"saved in {sized_dir}")
+
+
 def save_world(tiny_dir: str, splits: dict, models: dict, tokenizer, report: dict) -> None:
     """Write the data (one jsonl file per split), the models with the tokenizer and `world.json` to a folder beside
     `tiny_dir`, then rename it into place: an interrupted build leaves no half-built world behind."""
     parent = os.path.dirname(os.path.abspath(tiny_dir))
     os.makedirs(parent, exist_ok=True)
     build_dir = tempfile.mkdtemp(prefix=".building-", dir=parent)
-    os.makedirs(os.path.join(build_dir, "data"))
-    for split, rows in splits.items():
-        with open(os.path.join(build_dir, "data", f"{split}.jsonl"), "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    with open(os.path.join(build_dir, "data", "README.md"), "w") as f:  # names the splits for `datasets`, which
-        f.write("---\nconfigs:\n- config_name: default\n  data_files:\n")  # would read test_*.jsonl as `test`
-        f.writelines(f"  - split: {split}\n    path: {split}.jsonl\n" for split in splits)
-        f.write("---\n")
+    if splits:  # (build_sized's world holds models only)
+        os.makedirs(os.path.join(build_dir, "data"))
+        for split, rows in splits.items():
+            with open(os.path.join(build_dir, "data", f"{split}.jsonl"), "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        with open(os.path.join(build_dir, "data", "README.md"), "w") as f:  # names the splits for `datasets`,
+            f.write("---\nconfigs:\n- config_name: default\n  data_files:\n")  # which would read test_*.jsonl
+            f.writelines(f"  - split: {split}\n    path: {split}.jsonl\n" for split in splits)  # as `test`
+            f.write("---\n")
     for name, model in models.items():
         model.save_pretrained(os.path.join(build_dir, name))
         tokenizer.save_pretrained(os.path.join(build_dir, name))
@@ -686,7 +773,10 @@ def build_gsm8k_here(tiny_dir: str, sft_steps: int) -> None:
 if __name__ == "__main__":  # build (or show) a world: python tiny_world.py [tldr|gsm8k] [folder]
     if sys.argv[1:2] == ["--build"]:  # (build_in_own_process's child)
         kind, folder, *options = sys.argv[2:]
-        build_tldr_here(folder) if kind == "tldr" else build_gsm8k_here(folder, *map(int, options))
+        if kind == "sized":
+            build_sized_here(folder, *options)
+        else:
+            build_tldr_here(folder) if kind == "tldr" else build_gsm8k_here(folder, *map(int, options))
         sys.exit()
     kind = sys.argv[1] if len(sys.argv) > 1 else "tldr"
     folder = sys.argv[2] if len(sys.argv) > 2 else f"~/.cache/async-rlhf/{'tiny-v3' if kind == 'tldr' else 'gsm8k-v2'}"

@@ -15,10 +15,11 @@ paper code's). The paper's two controls run beside them: Best-of-2 SFT (`async_d
 Figure 4) at every N, and CoPG-style RLOO (`async_rloo.py --loss copg`, its Figure 13) at N in {1, 4, 16}. It prints
 a table of the final evaluations (mean ± standard error over seeds) with each run's mean lag (`lag/kl`, the KL from
 the sampling weights to the learner's on the sampled completions, and `lag/update`, the relative size of a step) and
-saves two plots:
+saves three plots:
 
   off_policy_frontier.png   gold win rate and gold mean score against perplexity, a marker per (algorithm, N)
   off_policy_by_n.png       final gold win rate and gold mean score against N, per algorithm
+  off_policy_by_lag.png     final gold win rate against the mean lag each run measured (lag/kl), per algorithm
 
     python benchmarks/off_policy.py            # 5 learning rules x N in {1, ..., 64} x 3 seeds: hours on 2 cores
     python benchmarks/off_policy.py --quick    # DPO at N in {1, 2}, the rest at N = 2: one seed, for CI
@@ -26,6 +27,7 @@ saves two plots:
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,9 +69,10 @@ class Args:
     tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
     """the tiny world (built there if missing)"""
     plot_dir: str = HERE
-    """where the two plots go"""
+    """where the three plots go"""
     runs_dir: Optional[str] = None
-    """where each run's folder (metrics.jsonl, generator log) goes; default: a temporary folder, deleted after"""
+    """where each run's folder (metrics.jsonl, generator log) goes, kept (a run already finished there is read
+    back, not run again); default: a temporary folder, deleted after"""
     quick: bool = False
     """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT and CoPG at N = 2; one seed, 256 episodes:
     checks that the benchmark works, measures nothing"""
@@ -83,23 +86,37 @@ VARIANTS = {  # name: (flags, label in the table)
 }
 
 
-def run(args: Args, algorithm: str, n: int, seed: int, variant: str, output_dir: str) -> dict:
-    """One training run; returns its final evaluation, the staleness of each step and its wall-clock time."""
-    start, (script, flags) = time.time(), SCRIPTS[algorithm]
-    result = subprocess.run([sys.executable, os.path.join(REPO, script), "--model", "tiny", "--tiny_dir",
-                             args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, "--num_mini_batches",
-                             str(n), "--total_episodes", str(args.total_episodes), "--batch_size",
-                             str(args.batch_size), "--eval_every", "0", *flags, *VARIANTS[variant][0]],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def finished(metrics_path: str, num_steps: int) -> bool:
+    """Whether a run's metrics end with its final evaluation, after its last step."""
+    if not os.path.exists(metrics_path):
+        return False
+    last = json.loads(open(metrics_path).read().splitlines()[-1] or "{}")
+    return "eval/gold_win_rate" in last and last.get("step") == num_steps
+
+
+def train(script: str, flags: list[str], output_dir: str, num_steps: int) -> dict:
+    """One run of `script --model tiny` with `flags`, or, finished before in `output_dir`, read back (a sweep run
+    again goes on where it stopped; a run stopped half-way starts again); returns what read_run reads."""
+    if finished(os.path.join(output_dir, "metrics.jsonl"), num_steps):
+        return read_run(output_dir)
+    shutil.rmtree(output_dir, ignore_errors=True)
+    result = subprocess.run([sys.executable, os.path.join(REPO, script), "--model", "tiny", "--output_dir", output_dir,
+                             *flags], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
-        sys.exit(f"{script} {' '.join(flags)} failed at N={n}, seed {seed}:\n{result.stderr[-3000:]}")
+        sys.exit(f"{script} {' '.join(flags)} failed:\n{result.stderr[-3000:]}")
+    return read_run(output_dir)
+
+
+def read_run(output_dir: str) -> dict:
+    """A run's final evaluation, the staleness and mean lag of its steps, and its time from the first step to the
+    final evaluation (time/elapsed)."""
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     evals = [r for r in records if "eval/gold_win_rate" in r]
     steps = [r for r in records if "staleness" in r]
     weights = {key: [r[key] for r in steps] for key in IS_METRICS if key in steps[0]}  # (corrected runs)
     return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps], weights=weights,
                 lag=statistics.mean(r["lag/kl"] for r in steps),
-                update=statistics.mean(r["lag/update"] for r in steps), seconds=time.time() - start)
+                update=statistics.mean(r["lag/update"] for r in steps), seconds=evals[-1]["time/elapsed"])
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
@@ -136,13 +153,16 @@ if __name__ == "__main__":
         for index, (algorithm, n, variant) in enumerate(points):
             for seed in args.seeds:
                 name = f"{algorithm}{'' if variant == 'plain' else '_' + variant}_n{n}_seed{seed}"
-                print(f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)", flush=True)
-                output_dir = os.path.join(runs_dir, name)
-                runs[algorithm, n, variant, seed] = run(args, algorithm, n, seed, variant, output_dir)
+                output_dir, num_steps = os.path.join(runs_dir, name), args.total_episodes // args.batch_size
+                if not finished(os.path.join(output_dir, "metrics.jsonl"), num_steps):
+                    print(f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)", flush=True)
+                script, flags = SCRIPTS[algorithm]
+                runs[algorithm, n, variant, seed] = train(script, [
+                    "--tiny_dir", args.tiny_dir, "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes",
+                    str(args.total_episodes), "--batch_size", str(args.batch_size), "--eval_every", "0", *flags,
+                    *VARIANTS[variant][0]], output_dir, num_steps)
     finally:
         if args.runs_dir is None:
-            import shutil
-
             shutil.rmtree(runs_dir, ignore_errors=True)
 
     # The table: one row per (algorithm, N), mean ± standard error over the seeds of the final evaluation
@@ -153,12 +173,13 @@ if __name__ == "__main__":
           f"(binomial stderr of one win rate at most {math.sqrt(0.25 / num_final):.3f}); "
           f"{len(args.seeds)} seed(s) per row, mean ± standard error over seeds")
     print("\n| algorithm | N | staleness | gold win rate | gold score | perplexity | proxy score | lag/kl "
-          "| lag/update | wall time |")
+          "| lag/update | time |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    table = {}
+    table, lags = {}, {}
     for algorithm, n, variant in points:
         seeds = [runs[algorithm, n, variant, s] for s in args.seeds]
         table[algorithm, n, variant] = {name: [r["final"][key] for r in seeds] for name, key in FINAL_METRICS.items()}
+        lags[algorithm, n, variant] = [r["lag"] for r in seeds]
         staleness = sorted({s for r in seeds for s in r["staleness"]})
         print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {staleness[0]}..{staleness[-1]} | " + " | ".join(
             fmt(values, 2 if name == "perplexity" else 3) for name, values in table[algorithm, n, variant].items())
@@ -222,4 +243,20 @@ if __name__ == "__main__":
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(args.plot_dir, "off_policy_by_n.png"), dpi=90)
-    print(f"plots saved to {args.plot_dir}/off_policy_frontier.png and off_policy_by_n.png")
+
+    # The same points against the lag each run measured (its mean lag/kl) instead of N
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, algorithm in enumerate(args.algorithms):
+        at = [n for n in args.n_values if (algorithm, n, "plain") in table]
+        lag = [mean_and_stderr(lags[algorithm, n, "plain"]) for n in at]
+        win = [mean_and_stderr(table[algorithm, n, "plain"]["gold win rate"]) for n in at]
+        ax.errorbar([m for m, _ in lag], [m for m, _ in win], xerr=[e for _, e in lag], yerr=[e for _, e in win],
+                    marker=markers[algorithm], color=f"C{i}", capsize=3, label=algorithm)
+    ax.axhline(sft["eval/gold_win_rate"], color="k", linestyle=":", label="SFT")
+    ax.set_xscale("log")
+    ax.set(xlabel="mean lag/kl over the run's steps (KL(mu || pi) on the sampled completions)",
+           ylabel="final gold win rate")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.plot_dir, "off_policy_by_lag.png"), dpi=90)
+    print(f"plots saved to {args.plot_dir}/off_policy_frontier.png, off_policy_by_n.png and off_policy_by_lag.png")

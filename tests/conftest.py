@@ -62,6 +62,16 @@ def tiny_dir(tmp_path_factory) -> str:
     return tiny_dir
 
 
+@pytest.fixture(scope="session")
+def sized_dir(tmp_path_factory, tiny_dir) -> str:
+    """Policies and proxies of two sizes beside the tiny world (tiny_world.build_sized, quick), built once."""
+    import tiny_world
+
+    sized_dir = shared_folder(tmp_path_factory, "sized-quick")
+    tiny_world.build_sized(sized_dir, tiny_dir, quick=True)
+    return sized_dir
+
+
 # Two learner processes; --standalone picks a free port, so two such runs (two test workers) never collide.
 TORCHRUN_2 = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
 

@@ -93,7 +93,7 @@ def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
 
 
 def test_off_policy_quick(tiny_dir, tmp_path):
-    """Two N values for async_dpo.py; corrected RLOO and the two controls at one: the table and both plots come out,
+    """Two N values for async_dpo.py; corrected RLOO and the two controls at one: the table and the plots come out,
     every run logged its final gold win rate and its lag, and N mini-batches per round give the staleness they
     should (0..N-1 in the first round, N..2N-1 after): N mini-batches share one set of generating weights, so
     staleness climbs within a round."""
@@ -111,7 +111,7 @@ def test_off_policy_quick(tiny_dir, tmp_path):
         assert lag_kl > 0 and update > 0, row
     corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
     assert len(corrected) == 256 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
-    for name in ("off_policy_frontier.png", "off_policy_by_n.png"):
+    for name in ("off_policy_frontier.png", "off_policy_by_n.png", "off_policy_by_lag.png"):
         assert (tmp_path / name).stat().st_size > 1000
     for n in (1, 2):
         steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
@@ -122,6 +122,39 @@ def test_off_policy_quick(tiny_dir, tmp_path):
         for r in steps:
             position = (r["step"] - 1) % n  # the mini-batch's place in its round
             assert r["staleness"] == (position if r["round"] == 0 else n + position), r
+    # Run again over the same folders, with one run stopped half-way: the finished runs are read back, the stopped
+    # one runs again (the same seed: the same run), and the table is the same but for the times
+    metrics = runs / "copg_n2_seed1" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:5]))
+    again = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
+                       script=os.path.join("benchmarks", "off_policy.py"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    started = [line for line in again.stdout.splitlines() if line.startswith("[")]
+    assert [line.split(" (")[0] for line in started] == ["[5/5] copg_n2_seed1"], again.stdout
+    assert table(again.stdout) == table(result.stdout), again.stdout
+
+
+def table(console: str) -> list[str]:
+    """The rows of a printed table without their last cell (a run's time)."""
+    return [line.rsplit(" | ", 1)[0] for line in console.splitlines() if line.startswith("| ")]
+
+
+def test_scaling_quick(tiny_dir, sized_dir, tmp_path):
+    """benchmarks/scaling.py --quick on the quick sized world: the sizes' table, a row for every (policy, proxy)
+    point and for the learning-rate control, each with its lag, and both plots."""
+    result = run_script("--quick", "--tiny_dir", tiny_dir, "--sized_dir", sized_dir, "--plot_dir", str(tmp_path),
+                        script=os.path.join("benchmarks", "scaling.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split(" | ") for line in table(result.stdout) if line.startswith(("| small", "| base"))]
+    sizes = [row for row in rows if row[0].endswith("layers)")]
+    points = [row[:4] for row in rows if row not in sizes]
+    assert [row[0] for row in sizes] == ["| small (64 wide, 2 layers)", "| base (128 wide, 2 layers)"], result.stdout
+    assert points[:3] == [["| small", "small", "default", "2"], ["| base", "small", "default", "2"],
+                          ["| small", "base", "default", "2"]], result.stdout
+    assert points[3][:2] == ["| small", "small"] and points[3][2].startswith("x") and len(points) == 4
+    assert all(float(row[7].split(" ± ")[0]) > 0 and float(row[8].split(" ± ")[0]) > 0 for row in rows[len(sizes):])
+    for name in ("scaling_frontier.png", "scaling_by_lag.png"):
+        assert (tmp_path / name).stat().st_size > 1000
 
 
 def test_reward_tokenizer_cost_prints_both_paths(tiny_dir):

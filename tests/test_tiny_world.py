@@ -1,5 +1,6 @@
 """The tiny TL;DR world (tiny_world.py): the judge on hand-made summaries, the data's design, and the targets the
 build must reach, recomputed from the cached world rather than read from its report."""
+import glob
 import json
 import os
 import random
@@ -91,3 +92,29 @@ def test_gold_model_follows_one_word_probes(world):
     prompts = tiny_world.encode(tokenizer, [r["query"] for r in validation[:128]])
     probes = tiny_world.probe_agreement(models["gold"], tokenizer, validation[:128], prompts)
     assert min(probes.values()) >= 0.9, probes
+
+
+def test_sized_policies_and_proxies_share_the_gold_model_and_leave_the_world_as_it_was(tiny_dir, sized_dir):
+    """tiny_world.build_sized (quick: two sizes): each policy is a causal LM of its size, "base" the world's own
+    policy weight for weight; each proxy a reward model of its size, normalised on held-out summaries and ordering
+    them mostly as gold does; the gold model, data and tokenizer stay the world's, whose folder is not touched."""
+    report = json.load(open(os.path.join(sized_dir, "world.json")))
+    assert list(report["sizes"]) == ["small", "base"] and report["base"] == tiny_dir
+    small, base = (report["sizes"][size] for size in ("small", "base"))
+    assert small["parameters"] * 2.5 < base["parameters"]
+    world = json.load(open(os.path.join(tiny_dir, "world.json")))
+    assert base["sft_gold_win_rate"] == world["sft_gold_win_rate"] and 0 <= small["sft_gold_win_rate"] <= 1
+    own = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
+    copy = AutoModelForCausalLM.from_pretrained(os.path.join(sized_dir, "policy-base"))
+    assert all(torch.equal(a, b) for a, b in zip(own.state_dict().values(), copy.state_dict().values()))
+    for size, (hidden, layers, _) in tiny_world.SIZES.items():
+        if size not in report["sizes"]:
+            continue
+        proxy = AutoModelForSequenceClassification.from_pretrained(os.path.join(sized_dir, f"proxy-{size}"))
+        assert (proxy.config.hidden_size, proxy.config.num_hidden_layers) == (hidden, layers)
+        assert report["sizes"][size]["proxy_gold_agreement"] > 0.55, size
+    assert not os.path.exists(os.path.join(sized_dir, "gold")) and not os.path.exists(os.path.join(sized_dir, "data"))
+    # nothing in the world's folder was written since the sized build began
+    build_start = os.path.getmtime(os.path.join(sized_dir, "world.json")) - report["build_seconds"] - 1
+    world_files = glob.glob(os.path.join(tiny_dir, "**"), recursive=True)
+    assert world_files and all(os.path.getmtime(path) < build_start for path in world_files)
