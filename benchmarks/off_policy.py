@@ -88,9 +88,8 @@ VARIANTS = {  # name: (flags, label in the table)
 
 def finished(metrics_path: str, num_steps: int) -> bool:
     """Whether a run's metrics end with its final evaluation, after its last step."""
-    if not os.path.exists(metrics_path):
-        return False
-    last = json.loads(open(metrics_path).read().splitlines()[-1] or "{}")
+    lines = open(metrics_path).read().splitlines() if os.path.exists(metrics_path) else []
+    last = json.loads(lines[-1]) if lines and lines[-1] else {}
     return "eval/gold_win_rate" in last and last.get("step") == num_steps
 
 
