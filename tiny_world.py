@@ -500,15 +500,16 @@ def build_sized(sized_dir: str, base_dir: str = "~/.cache/async-rlhf/tiny-v3", q
     size, all trained on the same gold-labelled pairs from their size's SFT weights. The judge, the gold reward
     model, the data and the tokenizer are the world's. `quick` (for CI): the two smaller sizes, the proxies' pairs
     from 500 posts and 40 steps.
-    Returns {"policy": {size: folder}, "proxy": {size: folder}, "base": base_dir}; world.json reports each
-    model's parameters, each policy's SFT gold win rate and each proxy's agreement with gold."""
+    Returns {"policy": {size: folder}, "proxy": {size: folder}, "base": base_dir, "sizes": {size: report}}: each
+    model's parameters, each policy's SFT gold win rate and each proxy's agreement with gold (world.json's)."""
     base_dir, sized_dir = os.path.expanduser(base_dir), os.path.expanduser(sized_dir)
     build_tldr(base_dir)
     if not os.path.exists(os.path.join(sized_dir, "world.json")):
         build_in_own_process("sized", sized_dir, base_dir, str(int(quick)))
     sizes = json.load(open(os.path.join(sized_dir, "world.json")))["sizes"]
     return {"policy": {size: os.path.join(sized_dir, f"policy-{size}") for size in sizes},
-            "proxy": {size: os.path.join(sized_dir, f"proxy-{size}") for size in sizes}, "base": base_dir}
+            "proxy": {size: os.path.join(sized_dir, f"proxy-{size}") for size in sizes}, "base": base_dir,
+            "sizes": sizes}
 
 
 def build_sized_here(sized_dir: str, base_dir: str, quick: str) -> None:

@@ -93,11 +93,13 @@ def finished(metrics_path: str, num_steps: int) -> bool:
     return "eval/gold_win_rate" in last and last.get("step") == num_steps
 
 
-def train(script: str, flags: list[str], output_dir: str, num_steps: int) -> dict:
-    """One run of `script --model tiny` with `flags`, or, finished before in `output_dir`, read back (a sweep run
-    again goes on where it stopped; a run stopped half-way starts again); returns what read_run reads."""
+def train(script: str, flags: list[str], output_dir: str, num_steps: int, label: str) -> dict:
+    """One run of `script --model tiny` with `flags` (announced with `label`), or, finished before in `output_dir`,
+    read back (a sweep run again goes on where it stopped; a run stopped half-way starts again); returns what
+    read_run reads."""
     if finished(os.path.join(output_dir, "metrics.jsonl"), num_steps):
         return read_run(output_dir)
+    print(label, flush=True)
     shutil.rmtree(output_dir, ignore_errors=True)
     result = subprocess.run([sys.executable, os.path.join(REPO, script), "--model", "tiny", "--output_dir", output_dir,
                              *flags], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -152,14 +154,12 @@ if __name__ == "__main__":
         for index, (algorithm, n, variant) in enumerate(points):
             for seed in args.seeds:
                 name = f"{algorithm}{'' if variant == 'plain' else '_' + variant}_n{n}_seed{seed}"
-                output_dir, num_steps = os.path.join(runs_dir, name), args.total_episodes // args.batch_size
-                if not finished(os.path.join(output_dir, "metrics.jsonl"), num_steps):
-                    print(f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)", flush=True)
                 script, flags = SCRIPTS[algorithm]
                 runs[algorithm, n, variant, seed] = train(script, [
                     "--tiny_dir", args.tiny_dir, "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes",
                     str(args.total_episodes), "--batch_size", str(args.batch_size), "--eval_every", "0", *flags,
-                    *VARIANTS[variant][0]], output_dir, num_steps)
+                    *VARIANTS[variant][0]], os.path.join(runs_dir, name), args.total_episodes // args.batch_size,
+                    f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)")
     finally:
         if args.runs_dir is None:
             shutil.rmtree(runs_dir, ignore_errors=True)

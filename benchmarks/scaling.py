@@ -18,8 +18,8 @@ matches the largest policy's, at every N.
     python benchmarks/scaling.py            # 3 policy sizes + 2 more proxies + the control, x 4 N x 3 seeds
     python benchmarks/scaling.py --quick    # two sizes, N = 2, one seed, short runs: checks that it works, for CI
 """
-import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,7 +31,7 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from off_policy import finished, fmt, mean_and_stderr, train  # noqa: E402
+from off_policy import fmt, mean_and_stderr, train  # noqa: E402
 
 import tiny_world  # noqa: E402
 from async_dpo import TINY_DEFAULTS  # noqa: E402
@@ -82,14 +82,12 @@ if __name__ == "__main__":
 
     def run(policy: str, proxy: str, n: int, seed: int, lr: float = default_lr) -> dict:
         name = f"policy-{policy}_proxy-{proxy}{'' if lr == default_lr else f'_lr{lr:.3g}'}_n{n}_seed{seed}"
-        output_dir = os.path.join(runs_dir, name)
-        if not finished(os.path.join(output_dir, "metrics.jsonl"), num_steps):
-            print(f"{name} ({time.time() - sweep_start:.0f} s so far)", flush=True)
         return train("async_dpo.py", [
             "--tiny_dir", args.tiny_dir, "--sft_model_path", sized["policy"][policy], "--reward_model_path",
             sized["proxy"][proxy], "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes",
             str(args.total_episodes), "--batch_size", str(args.batch_size), "--eval_every", "0",
-            "--learning_rate", str(lr), *extra], output_dir, num_steps)
+            "--learning_rate", str(lr), *extra], os.path.join(runs_dir, name), num_steps,
+            f"{name} ({time.time() - sweep_start:.0f} s so far)")
 
     try:
         results = {(p, r, n, "default"): [run(p, r, n, seed) for seed in args.seeds]
@@ -106,12 +104,10 @@ if __name__ == "__main__":
                                                              for s in args.seeds]
     finally:
         if args.runs_dir is None:
-            import shutil
-
             shutil.rmtree(runs_dir, ignore_errors=True)
 
     # The table: the sizes (parameters, SFT gold win rate, proxy agreement), then one row per point
-    report = json.load(open(os.path.join(os.path.expanduser(args.sized_dir), "world.json")))["sizes"]
+    report = sized["sizes"]
     print("\n| size | parameters | SFT gold win rate (build) | proxy's agreement with gold |\n|---|---|---|---|")
     for size in sizes:
         r = report[size]

@@ -264,22 +264,28 @@ def clip_grad_norm(parameters, max_norm: Optional[float]) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (FSDP2: DTensor)
 
 
+def local_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's parameters, detached: under FSDP2 its shard of each (DTensor.to_local)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+
+
 def parameters_copy(model: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's parameters (its shards under FSDP2) copied to host memory, so that measuring
-    an update costs no accelerator memory: at 2.8B, 11 GB over the bus each way per step."""
-    local = [getattr(p, "_local_tensor", p).detach() for p in model.parameters()]  # (DTensor shard)
-    return [t.to("cpu", copy=True) for t in local]
+    """This rank's parameters copied to host memory, so that measuring an update costs no
+    accelerator memory: at 2.8B, 11 GB over the bus each way per step."""
+    return [t.to("cpu", copy=True) for t in local_parameters(model)]
 
 
 def relative_update(model: torch.nn.Module, before: list[torch.Tensor], world_size: int) -> float:
     """||theta - before|| / ||before|| over all ranks' parameters (under DDP every rank holds all of
-    them: the sums grow by the same factor, the ratio does not change)."""
-    delta, norm = 0.0, 0.0
-    for p, old in zip(model.parameters(), before):
-        local = getattr(p, "_local_tensor", p).detach()
-        old = old.to(local.device, non_blocking=True)
-        delta += torch.linalg.vector_norm(local - old, dtype=torch.float64).item() ** 2
-        norm += torch.linalg.vector_norm(old, dtype=torch.float64).item() ** 2
+    them: the sums grow by the same factor, the ratio does not change). One sync, not one a tensor."""
+    deltas, norms = [], []
+    for local, old in zip(local_parameters(model), before):
+        old = old.to(local.device)
+        deltas.append(torch.linalg.vector_norm(local - old, dtype=torch.float64))
+        norms.append(torch.linalg.vector_norm(old, dtype=torch.float64))
+    delta, norm = (torch.stack(values).square().sum().item() for values in (deltas, norms))
     sums = reduce_sums({"delta": delta, "norm": norm}, world_size)
     return math.sqrt(sums["delta"] / max(sums["norm"], 1e-30))
 
