@@ -339,6 +339,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     generator.submit(eval_request(version, eval_set["prompts"], args, final=True))
     run_evaluation(generator.collect(), training_start=training_start)
     progress.close()
+    metrics.print_regime(metrics_file)  # which side waited, and the paper's knob for it
     if args.save_model:
         core.save_policy(policy, tokenizer, args)
 

@@ -4,7 +4,8 @@ pair of lanes per run, runs stacked on one time axis.
 Every script logs, with each round's last step, when each phase started and ended (`timeline/*` in metrics.jsonl,
 seconds since training began; the generator stamps its own phases with the same clock). Each bar is labelled with
 the weight version that produced it (generator) or that it turns into the next one (learner), so the one-step lag
-of the asynchronous run shows: the learner's bar for a batch sits beside the generator's bar for the next one.
+of the asynchronous run shows: the learner's bar for a batch sits beside the generator's bar for the next one. For
+each run it also prints the line every script ends with: which side waited for the other, and the paper's knob.
 
     python benchmarks/timeline.py --run     # short async and sync runs with the overlap benchmark's model (~1 min)
     python benchmarks/timeline.py runs/a/metrics.jsonl runs/b/metrics.jsonl --labels async sync
@@ -20,6 +21,9 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+from plumbing.metrics import regime  # noqa: E402
+
 # phase: (lane, colour); the lanes are drawn top (generator) to bottom (learner)
 PHASES = {
     "weight_load": ("generator", "tab:purple"), "generation": ("generator", "tab:blue"),
@@ -118,4 +122,6 @@ if __name__ == "__main__":
     for name, records in runs.items():
         if not any("timeline/training_start" in r for r in records):
             sys.exit(f"error: {paths[name]} has no timeline/* metrics (written by the scripts since they log them)")
+    for name, records in runs.items():  # which side waited for the other, and the paper's knob for it
+        print(f"{name}: {regime(records)}")
     draw(runs, *args.steps, args.output)

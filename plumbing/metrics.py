@@ -118,3 +118,41 @@ def round_times(origin: float, round_start: float, eval_seconds: float, **phases
     record["time/learner_wait"] -= eval_seconds
     record["time/step"] = time.time() - round_start
     return record
+
+
+# --- Which side waited: the regime of the paper's Section 4 ---------------------------------------
+def regime(records: list[dict], balanced: float = 1.2) -> str:
+    """One line: which side of the pipeline waited for the other over a run's rounds (the first left
+    out: nothing overlaps it), by how much, and the knob the paper's Section 4 suggests for it."""
+    rounds = [r for r in records if "time/training" in r][1:]
+    if not rounds:
+        return "regime: too few rounds to tell which side waited (it needs two)"
+    per_round = {phase: sum(r[f"time/{phase}"] for r in rounds) / len(rounds)
+                 for phase in ("weight_load", "generation", "weight_sync", "training", "learner_wait")}
+    generating = per_round["weight_load"] + per_round["generation"]
+    training = per_round["weight_sync"] + per_round["training"]
+    # the generator's wait: from a batch's end to the next batch's weight load, less evaluations
+    evals = [(r["timeline/eval_generation_start"], r["timeline/eval_generation_end"])
+             for r in records if "timeline/eval_generation_start" in r]
+    gaps = []
+    for done, following in zip(rounds, rounds[1:]):
+        start, end = done["timeline/generation_end"], following["timeline/weight_load_start"]
+        gaps.append(end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in evals))
+    generator_wait = sum(gaps) / len(gaps) if gaps else float("nan")
+    times = (f"a round's generation {generating:.2f} s against its training {training:.2f} s; the learner "
+             f"waited {per_round['learner_wait']:.2f} s a round, the generator {generator_wait:.2f} s")
+    if generating > balanced * training:
+        return (f"regime: generation-bound ({generating / training:.1f}x): {times}. The paper's knob: more "
+                "updates on each batch (--num_epochs 2 or 3), fewer episodes to a win rate, at some KL")
+    if training > balanced * generating:
+        return (f"regime: training-bound ({training / generating:.1f}x): {times}. The paper's knob: more "
+                "samples per prompt (--num_samples 4, best against worst, with half the learning rate "
+                "and steps)")
+    return f"regime: balanced (within {balanced}x): {times}. Neither knob is called for"
+
+
+def print_regime(metrics_file) -> None:
+    """Rank 0 prints the run's regime line (`regime`) from its metrics.jsonl."""
+    if metrics_file is not None:
+        with open(metrics_file.name) as lines:
+            tqdm.write(regime([json.loads(line) for line in lines]))

@@ -24,6 +24,8 @@ def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
                         script=os.path.join("benchmarks", "timeline.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert timeline.stat().st_size > 10000
+    regimes = [line for line in result.stdout.splitlines() if ": regime: " in line]
+    assert [line.split(":")[0] for line in regimes] == ["async", "sync"], result.stdout
     for path, asynchronous in zip(paths, (True, False)):
         assert_timeline_ordered([json.loads(line) for line in open(path)], asynchronous, num_steps=6)
 

@@ -9,6 +9,8 @@ import statistics
 import pytest
 from conftest import TORCHRUN_2, run_script
 
+from plumbing import metrics
+
 STEP_METRICS = ["step", "episode", "staleness", "time/generation", "time/training", "time/weight_sync",
                 "time/learner_wait", "time/step", "reward/mean", "reward/chosen", "reward/rejected", "loss/dpo",
                 "logps/chosen", "logps/rejected", "eos/fraction", "lag/update", "lr"]
@@ -108,6 +110,9 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     # The console shows the run, the progress and the evaluations; vLLM's own log went to a file
     console = result.stderr + result.stdout
     assert "eval @ step 60" in console
+    # and ends with which side waited for the other, from the run's own timings (docs/evaluation.md)
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert metrics.regime(records) in console.splitlines(), console[-2000:]
     assert "WARNING" not in console and "Failed to load weights" not in console, console[:3000]
     assert "Failed to load weights" in (out / "generator.log").read_text()
 

@@ -311,3 +311,27 @@ def test_the_lag_kl_is_an_unbiased_k3_estimate_and_the_update_is_relative():
         model.weight[0, 0] += 0.6
         model.bias[1] -= 0.8  # ||delta theta|| = 1
     assert core.relative_update(model, before, world_size=1) == pytest.approx(1 / math.sqrt(12))
+
+
+def round_record(start: float, generation: float, training: float, learner_wait: float) -> dict:
+    """A round's timings as round_times logs them: the batch's generation, then its training."""
+    return {"time/weight_load": 0.0, "time/generation": generation, "time/weight_sync": 0.0,
+            "time/training": training, "time/learner_wait": learner_wait,
+            "timeline/weight_load_start": start, "timeline/generation_end": start + generation}
+
+
+def test_regime_names_the_side_that_waited_and_its_knob():
+    """Generation-bound: each batch takes 2 s to generate and 1 s to train on; back to back, the learner waits 1 s
+    and the generator never. Training-bound: the reverse (the next batch's load starts when training asks for it,
+    3 s after the previous batch's end, an evaluation of 1 s in between not counted as the generator's wait)."""
+    generation_bound = [round_record(2.0 * i, 2.0, 1.0, 1.0) for i in range(5)]
+    line = metrics.regime(generation_bound)
+    assert line.startswith("regime: generation-bound (2.0x)") and "--num_epochs" in line, line
+    assert "the learner waited 1.00 s a round, the generator 0.00 s" in line, line
+    training_bound = [round_record(4.0 * i, 1.0, 3.0, 0.0) for i in range(5)]
+    training_bound.append({"timeline/eval_generation_start": 9.5, "timeline/eval_generation_end": 10.5})
+    line = metrics.regime(training_bound)
+    assert line.startswith("regime: training-bound (3.0x)") and "--num_samples 4" in line, line
+    assert "the generator 2.67 s" in line, line  # (3 + 3 + 2) / 3: the evaluation's second is not a wait
+    assert metrics.regime([round_record(0.0, 1.0, 1.1, 0.0)] * 3).startswith("regime: balanced")
+    assert "too few rounds" in metrics.regime(generation_bound[:1])
