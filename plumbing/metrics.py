@@ -132,15 +132,16 @@ def regime(records: list[dict], balanced: float = 1.2) -> str:
     generating = per_round["weight_load"] + per_round["generation"]
     training = per_round["weight_sync"] + per_round["training"]
     # the generator's wait: from a batch's end to the next batch's weight load, less evaluations
+    # sampled in between (from the second batch on, as the means: the learner awaits the first)
     evals = [(r["timeline/eval_generation_start"], r["timeline/eval_generation_end"])
              for r in records if "timeline/eval_generation_start" in r]
     gaps = []
     for done, following in zip(rounds, rounds[1:]):
         start, end = done["timeline/generation_end"], following["timeline/weight_load_start"]
         gaps.append(end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in evals))
-    generator_wait = sum(gaps) / len(gaps) if gaps else float("nan")
     times = (f"a round's generation {generating:.2f} s against its training {training:.2f} s; the learner "
-             f"waited {per_round['learner_wait']:.2f} s a round, the generator {generator_wait:.2f} s")
+             f"waited {per_round['learner_wait']:.2f} s a round"
+             + (f", the generator {sum(gaps) / len(gaps):.2f} s" if gaps else ""))
     if generating > balanced * training:
         return (f"regime: generation-bound ({generating / training:.1f}x): {times}. The paper's knob: more "
                 "updates on each batch (--num_epochs 2 or 3), fewer episodes to a win rate, at some KL")

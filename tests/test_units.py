@@ -332,6 +332,8 @@ def test_regime_names_the_side_that_waited_and_its_knob():
     training_bound.append({"timeline/eval_generation_start": 9.5, "timeline/eval_generation_end": 10.5})
     line = metrics.regime(training_bound)
     assert line.startswith("regime: training-bound (3.0x)") and "--num_samples 4" in line, line
-    assert "the generator 2.67 s" in line, line  # (3 + 3 + 2) / 3: the evaluation's second is not a wait
+    assert "the generator 2.67 s" in line, line  # (3 + 2 + 3) / 3: the evaluation's second is not a wait
+    two_rounds = metrics.regime(training_bound[:2])  # one round after the first: no gap between two to measure
+    assert two_rounds.startswith("regime: training-bound") and "a round." in two_rounds, two_rounds
     assert metrics.regime([round_record(0.0, 1.0, 1.1, 0.0)] * 3).startswith("regime: balanced")
     assert "too few rounds" in metrics.regime(generation_bound[:1])
