@@ -122,6 +122,5 @@ if __name__ == "__main__":
     for name, records in runs.items():
         if not any("timeline/training_start" in r for r in records):
             sys.exit(f"error: {paths[name]} has no timeline/* metrics (written by the scripts since they log them)")
-    for name, records in runs.items():  # which side waited for the other, and the paper's knob for it
-        print(f"{name}: {regime(records)}")
+        print(f"{name}: {regime(records)}")  # which side waited for the other, and the paper's knob for it
     draw(runs, *args.steps, args.output)
