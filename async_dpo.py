@@ -488,7 +488,9 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
     generator_gap = torch.cat([chosen_logps - mini_batch["generator_chosen_logps"],
                                rejected_logps - mini_batch["generator_rejected_logps"]]).double()
     update = core.relative_update(learner, before, args.world_size)
-    return {"grad/norm": grad_norm, "lag/update": update, **core.step_stats(args.world_size, {
+    margins = torch.where(valid > 0, scores.max(1).values - scores.min(1).values, torch.nan)  # (K=4: ~2x)
+    return {"grad/norm": grad_norm, "lag/update": update, "reward/margin_median": core.reduce_median(
+        margins, args.world_size), **core.step_stats(args.world_size, {
         f"loss/{args.loss}": (losses, counted), "logps/chosen": (chosen_logps, valid),
         "logps/rejected": (rejected_logps, valid), "logps/generator_gap": (generator_gap, valid.repeat(2)),
         "lag/kl": (torch.expm1(generator_gap) - generator_gap, valid.repeat(2)), "reward/mean": scores.mean(1),

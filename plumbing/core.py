@@ -250,6 +250,16 @@ def reduce_sums(sums: dict, world_size: int) -> dict:
     return dict(zip(sums, values.tolist()))
 
 
+def reduce_median(values: torch.Tensor, world_size: int) -> float:
+    """The median of every rank's `values` (as many on each rank; NaN: left out, nan if all are)."""
+    values = values.detach().double().flatten().cpu()
+    if world_size > 1:
+        gathered = [torch.empty_like(values) for _ in range(world_size)]
+        dist.all_gather(gathered, values)
+        values = torch.cat(gathered)
+    return values.nanmedian().item()
+
+
 def reduce_max(value: float, world_size: int) -> float:
     if world_size == 1:
         return value

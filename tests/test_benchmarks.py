@@ -1,6 +1,7 @@
 """The benchmark scripts in their reduced modes: they run and produce their tables and plots (the figures they
 measure are in the README, from full runs)."""
 import json
+import math
 import os
 
 from conftest import run_script
@@ -172,3 +173,28 @@ def test_sampling_seeds_cost_prints_both_requests(tiny_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| training", "| evaluation"))]
     assert len(rows) == 2 and all(row.endswith("% |") for row in rows), result.stdout
+
+
+def test_compute_optimal_quick(tiny_dir, tmp_path):
+    """benchmarks/compute_optimal.py --quick: a row for T = 2 (generation-bound) and for K = 4 (training-bound), each
+    with its measured generation and training times; T = 2 takes two steps on each round's batch, with evaluations at
+    the episodes asked; K = 4 takes half the episodes at half the learning rate; every step logs its pairs' median
+    reward margin; both plots."""
+    runs = tmp_path / "runs"
+    result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
+                        script=os.path.join("benchmarks", "compute_optimal.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split(" | ")[:2] for line in table(result.stdout) if line.startswith(("| generation", "| training"))]
+    assert rows == [["| generation-bound", "T = 2"], ["| training-bound", "async K = 4"]], result.stdout
+    assert result.stdout.count(", generation / training ") == 2 and result.stdout.count("'s regime: ") == 2
+    t2, t2_evals = read_metrics(runs / "generation-bound_T2_seed1", eval_metric="eval/gold_win_rate")
+    k4, _ = read_metrics(runs / "training-bound_async_K4_seed1", eval_metric="eval/gold_win_rate")
+    assert all(r["reward/margin_median"] > 0 for r in t2 + k4)  # (a pair's best minus its worst)
+    # 32 prompts one at a time, two steps on each, evaluated every 16 prompts
+    assert len(t2) == 2 * 32 and [r["round"] for r in t2] == [r // 2 for r in range(64)]
+    assert [e["episode"] for e in t2_evals] == [0, 16, 32]
+    # K = 4: the K = 2 runs' 128 prompts halved, at 32 a step, and the learning rate halved (1e-4 / 2), decayed
+    # linearly to 0 over its 2 steps
+    assert [r["episode"] for r in k4] == [32, 64] and math.isclose(k4[0]["lr"], 1e-4 / 2 * (1 - 1 / 2))
+    for name in ("compute_optimal_generation_bound.png", "compute_optimal_training_bound.png"):
+        assert (tmp_path / name).stat().st_size > 1000
