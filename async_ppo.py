@@ -75,10 +75,17 @@ class Args:
     """preset naming the SFT policy, reward model and dataset; `tiny`: a toy world built on CPU"""
     sft_model_path: Optional[str] = None
     """SFT policy (hub name or local folder), also the frozen reference (default: the preset's)"""
+    sft_model_revision: Optional[str] = None
+    """the SFT policy's hub revision: a branch, tag or commit (default: the latest; the preset's)"""
     reward_model_path: Optional[str] = None
     """reward model with a 1-label sequence-classification head (default: the preset's)"""
+    reward_model_revision: Optional[str] = None
+    """the reward model's hub revision (default: the latest; the preset's)"""
     dataset: Optional[str] = None
-    """prompts with `query`, `reference_response` columns (hub, folder or file; default: preset)"""
+    """prompts with `query`, `reference_response` columns, or chats in a `messages` column
+    (formatted with the policy's chat template); hub, folder or file (default: the preset's)"""
+    eval_split: str = "validation"
+    """the dataset's split to evaluate on (No Robots: `test`)"""
     gold_reward_model_path: Optional[str] = None
     """gold reward model, only for evaluation; `tiny` has its own"""
     reward_chat_template: bool = False
@@ -198,16 +205,27 @@ def resolve_args(args: Args) -> Args:
                                else (*PRESETS[args.model], None))  # (tiny: built once, then cached)
     args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
     args.reward_model_path = args.reward_model_path or reward
+    # A hub revision (--sft_model_revision, the preset's) is fetched once: every loader reads its folder
+    args.sft_model_path = core.hub_snapshot("sft_model", args.sft_model_path, args.sft_model_revision)
+    args.reward_model_path = core.hub_snapshot("reward_model", args.reward_model_path, args.reward_model_revision)
     args.gold_reward_model_path = args.gold_reward_model_path or gold
     return args
 
 
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     core.check_model_paths(args, "sft_model_path", "reward_model_path", "gold_reward_model_path")
-    train_data, eval_data = core.load_prompt_splits(args.dataset, args.seed)
+    tokenizer = core.load_tokenizer(args.sft_model_path)  # (a chat dataset: formatted by its template)
+    train_data, eval_data = core.load_prompt_splits(
+        args.dataset, args.seed, names=("train", args.eval_split), tokenizer=tokenizer,
+        tokenizer_path=args.sft_model_path, max_prompt_length=args.max_prompt_length)
     device, generator_cores, metrics_file = launch.start_run(args, cleanup)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     shares_gpu0 = core.shares_gpu0()  # no spare GPU per learner: rank 0 sits beside vLLM
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
+    # The facts every step uses. A completion ends at EOS, or, in a chat dataset, at the template's
+    # end-of-turn token (Llama 3.1's <|eot_id|>): sampling stops there, the EOS penalty follows it
+    chat = "messages" in train_data.column_names
+    run = core.Run(device, autocast, *core.special_ids(tokenizer, chat))
 
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
@@ -216,22 +234,19 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     generator, weight_buffer = generator_io.Generator(args.rank, args.world_size), None
     if args.rank == 0:  # (the other ranks get its messages from rank 0)
         weight_buffer = make_weight_buffer(weight_layout, dtype, device)
-        generator = start_generator(engine_kwargs(args, config, use_cuda), weight_buffer,
-                                    weight_layout, None if use_cuda else generator_cores, args)
+        generator = start_generator(engine_kwargs(args, config, use_cuda), weight_buffer, weight_layout,
+                                    run.eos_id, None if use_cuda else generator_cores, args)
         cleanup.callback(generator.stop)
     if shares_gpu0:
         generator.collect()  # "ready": vLLM has taken its share of GPU 0
 
     # The policy trains in float32 (under autocast on GPU); the reference runs exactly as it does,
     # so that log pi - log pi_ref is 0 at step 0 on GPU as on CPU. Reward models load in `dtype`.
-    tokenizer = core.load_tokenizer(args.sft_model_path)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
-    run = core.Run(device, autocast, *core.special_ids(tokenizer))  # the facts every step uses
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
     policy = core.train_without_dropout(policy.to(device), args.gradient_checkpointing)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
     ref_policy = ref_policy.to(device).eval().requires_grad_(False)
-    reward_models = load_reward_models(args, tokenizer, train_data, dtype, device)
+    reward_models = load_reward_models(args, tokenizer, (train_data, eval_data), dtype, device)
     # The value model starts as the reward model (as in the paper) and trains beside the policy; it
     # reads the policy's tokens, so a reward model that re-tokenises gives way to the SFT policy
     value_start = args.sft_model_path if reward_models["proxy"].retokenize else args.reward_model_path
@@ -678,7 +693,7 @@ def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
 # A spawned process, not a thread (the paper's lost ~15-20% of each step to the GIL); it also keeps
 # vLLM's side effects (patched GPTNeoX classes, torch.distributed) out of the learner.
 def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list,
-                   requests, results, cores: Optional[list], run_tmp_dir: str,
+                   stop_id: int, requests, results, cores: Optional[list], run_tmp_dir: str,
                    log_path: Optional[str]) -> None:
     try:
         generator_io.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
@@ -702,7 +717,7 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
             llm.reset_prefix_cache()
             sampling = [SamplingParams(n=request["n"], temperature=request["temperature"],
                                        max_tokens=request["max_tokens"], logprobs=0, detokenize=False,
-                                       seed=request["seed"] + i * request["n"])
+                                       stop_token_ids=[stop_id], seed=request["seed"] + i * request["n"])
                         for i in range(len(request["prompts"]))]
             generation_start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]],
@@ -737,7 +752,7 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
     return kwargs
 
 
-def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list,
+def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list, stop_id: int,
                     cores: Optional[list], args: Args) -> generator_io.Generator:
     """Spawn the generator with a one-slot queue each way."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
@@ -746,7 +761,8 @@ def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_lay
     ctx = mp.get_context("spawn")
     requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     process = ctx.Process(target=generator_main, args=(
-        engine_kwargs, weight_buffer, weight_layout, requests, results, cores, run_tmp_dir, log_path))
+        engine_kwargs, weight_buffer, weight_layout, stop_id, requests, results, cores, run_tmp_dir,
+        log_path))
     process.start()
     return generator_io.Generator(args.rank, args.world_size, process, requests, results,
                                   run_tmp_dir, log_path)
@@ -779,7 +795,7 @@ def evaluation_set(eval_data, tokenizer, reward_models: dict, args: Args, run: c
                               args.missing_eos_penalty if name == "proxy" else None,
                               args.per_device_train_batch_size * args.num_samples, run)
         for name, model in reward_models.items()}
-    return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
+    return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)), data=eval_data,
                 my_prompts=my_prompts, references=dict(reference_scores, tokens=references))
 
 
@@ -833,6 +849,9 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
                                      ref_policy, args, run), args.world_size)
     record = eval_record(sums, message["generation_version"], args)
     record.update(metrics.eval_times(message, start, training_start))
+    if args.rank == 0 and message["final"]:  # whole, with the references (benchmarks/judge.py)
+        whole = truncate_at_eos(message["responses"], args.eval_response_length, run.eos_id)[0]
+        metrics.save_completions(args.output_dir, eval_set["data"], whole, tokenizer)
     if args.rank == 0:
         responses = truncate_at_eos(responses[:3], args.eval_response_length, run.eos_id)[0]
         record["eval/samples"] = [dict(prompt=tokenizer.decode(p)[-200:], response=tokenizer.decode(r))

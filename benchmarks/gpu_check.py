@@ -63,9 +63,12 @@ class Args:
     """internal: run as one torchrun rank of check (b)"""
 
 
-def pythia_config(name: str):
-    from transformers import GPTNeoXConfig
+def model_config(name: str):
+    from transformers import GPTNeoXConfig, LlamaConfig
 
+    if name == "llama-3.1-8b":  # meta-llama/Llama-3.1-8B's config.json (the No Robots preset's architecture)
+        return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, num_labels=1)
     hidden, layers, heads = PYTHIA[name]
     return GPTNeoXConfig(vocab_size=50304 if name != "cpu-small" else 512, hidden_size=hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
@@ -93,7 +96,7 @@ def memory_estimate(name: str, micro_batch: int, sequence_length: int, response_
     DPO: a micro-batch is 2 x micro_batch sequences (chosen and rejected). PPO (one completion per prompt):
     micro_batch sequences, and a value model (the reward model's backbone and head, trained: 16 bytes a parameter)
     whose blocks keep their inputs too; the entropy adds a float32 copy of the response logits."""
-    config = pythia_config(name)
+    config = model_config(name)
     params, sequences = parameter_count(config), (2 if algorithm == "dpo" else 1) * micro_batch
     tokens, hidden = sequences * sequence_length, config.hidden_size
     backbones = 1 if algorithm == "dpo" else 2
@@ -116,7 +119,7 @@ def fsdp_rank0(estimate: dict, name: str, learners: int) -> float:
     FSDP: skipping it would hold the full, unsharded float32 gradients until the last micro-batch). Not sharded: the
     weight buffer, the activations, the generator's CUDA context, and the reward model's input embeddings, which
     stay gathered after its forward because its backbone is called as its own FSDP root."""
-    config = pythia_config(name)
+    config = model_config(name)
     gathered_embeddings = 2 * config.vocab_size * config.hidden_size / GIB
     unsharded = (estimate["weight buffer"] + estimate["activations / micro-batch"]
                  + estimate["generator's CUDA context"])
@@ -136,7 +139,15 @@ def print_estimate_table(args: Args) -> None:
             total = sum(v for k, v in e.items() if k != "parameters (B)")
             print(f"| {name} | {e['parameters (B)']:.2f} B | " + " | ".join(f"{e[k]:.1f}" for k in columns) +
                   f" | **{total:.1f} GiB** | {fsdp_rank0(e, name, 3):.1f} GiB |")
-    gold = parameter_count(pythia_config("pythia-6.9b"))
+    # The chatbot preset (async_dpo.py --model llama-3.1-8b-no-robots): 7 learners beside one vLLM GPU, FSDP2 only
+    # (a replica, 16 bytes a parameter for the policy alone, is 120 GiB), its micro-batch and lengths
+    micro, prompt, response = 2, 512, 1024
+    e = memory_estimate("llama-3.1-8b", micro, prompt + response, response)
+    print(f"\nLlama 3.1 8B (the No Robots preset: DPO, micro-batch {micro} prompts x 2 sequences of {prompt} + "
+          f"{response} tokens, {e['parameters (B)']:.2f} B parameters): "
+          f"{fsdp_rank0(e, 'llama-3.1-8b', 7):.1f} GiB on rank 0 under --fsdp over 7 learners (" + ", ".join(
+              f"{k} {v:.1f}" for k, v in e.items() if k != "parameters (B)") + " GiB before sharding)")
+    gold = parameter_count(model_config("pythia-6.9b"))
     embeddings = 2 * 50304 * PYTHIA["pythia-6.9b"][0] / GIB
     print(f"\nthe 6.9B gold reward model (--gold_reward_model_path) adds {2 * gold / GIB:.1f} GiB in bfloat16 "
           f"(with --fsdp over 3: a third of that, plus {embeddings:.1f} GiB of its embeddings, gathered)")
@@ -166,7 +177,7 @@ def learner_step(args: Args, device: torch.device) -> None:
     """(a) One learner step through the script's own functions, timing it and measuring peak memory."""
     from transformers import AutoModelForCausalLM, GPTNeoXForSequenceClassification
 
-    config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
+    config, dtype = model_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
     ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
@@ -235,7 +246,7 @@ def precision_parity(args: Args, device: torch.device) -> None:
     import async_ppo
     import async_rloo
 
-    config, dtype = pythia_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
+    config, dtype = model_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
@@ -349,7 +360,7 @@ def weight_handoff(args: Args, device: torch.device) -> None:
     """(c) Write versions 1..5 (every parameter set to the version number) and have a spawned reader check them."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(pythia_config(args.model), dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_config(model_config(args.model), dtype=torch.float32).to(device)
     table = async_dpo.weight_table(model)
     buffer = async_dpo.make_weight_buffer(table, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     ctx = mp.get_context("spawn")

@@ -82,9 +82,11 @@ def check_model_paths(args, *flags: str) -> None:
 
 
 def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_response"),
-                       names=("train", "validation"), config: Optional[str] = None):
+                       names=("train", "validation"), config: Optional[str] = None, tokenizer=None,
+                       tokenizer_path: str = "", max_prompt_length: int = 0):
     """The train and evaluation splits (`names`) from a hub name (and `config`), a folder of split
-    files or one file (then 5% is held out), with `columns`."""
+    files or one file (then 5% is held out), with `columns`; a chat dataset (a `messages` column)
+    given them by the tokenizer's chat template (plumbing.chat)."""
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
         os.path.splitext(dataset)[1])
     if os.path.isfile(dataset) and kind is None:
@@ -104,11 +106,34 @@ def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_res
     for split in names:
         if split not in splits:
             fail(f"--dataset {dataset}: no '{split}' split (found {sorted(splits)})")
+    splits = {name: splits[name] for name in names}
+    if tokenizer is not None and "messages" in splits[names[0]].column_names:
+        from plumbing.chat import format_chats
+
+        splits = format_chats(splits, dataset, tokenizer, tokenizer_path, max_prompt_length)
+    for split in names:
         missing = set(columns) - set(splits[split].column_names)
         if missing:
             fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
                  f"found {splits[split].column_names}")
     return tuple(splits[name] for name in names)
+
+
+def hub_snapshot(flag: str, path: str, revision: Optional[str]) -> str:
+    """`path` as it is without a revision; with one, the local folder of that revision (a branch,
+    tag or commit) of the hub repository `path`, downloaded once into the Hugging Face cache."""
+    if revision is None:
+        return path
+    if os.path.exists(os.path.expanduser(path)):
+        fail(f"--{flag}_revision {revision}: --{flag}_path {path} is a local folder, and a revision "
+             f"names a version of a hub repository")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path, revision=revision, ignore_patterns=["original/*", "*.pth"])
+    except Exception as e:  # offline, no such repository or revision
+        fail(f"--{flag}_revision {revision} of --{flag}_path {path} could not be fetched "
+             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
 
 
 def load_tokenizer(path: str):
@@ -118,10 +143,13 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def special_ids(tokenizer) -> tuple[int, int]:
-    """EOS, and the id to pad with (EOS if the tokenizer has none: masks say what is padding)."""
-    eos_id = tokenizer.eos_token_id
-    return eos_id, eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+def special_ids(tokenizer, chat: bool = False) -> tuple[int, int]:
+    """The token that ends a completion (EOS; chat: the template's end of turn), and the id to pad
+    with (EOS if the tokenizer has none: masks say what is padding)."""
+    from plumbing.chat import end_of_turn_id
+
+    eos_id = end_of_turn_id(tokenizer) if chat else tokenizer.eos_token_id
+    return eos_id, tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 @dataclass(frozen=True)
@@ -183,19 +211,25 @@ def save_policy(policy: torch.nn.Module, tokenizer, args) -> None:
 
 
 # --- Devices and learner processes (torchrun) -----------------------------------------------------
-def shares_gpu0(gpus: Optional[int] = None, learners: Optional[int] = None) -> bool:
-    """Whether learner rank 0 shares GPU 0 with vLLM: the node has GPUs but none spare per learner
-    (of `gpus` on the node and `learners` on it; default: this machine's). Every rank answers the
-    same, so that all take the generator's "ready" message at the same point."""
+def shares_gpu0(gpus: Optional[int] = None, learners: Optional[int] = None,
+                nodes: Optional[int] = None) -> bool:
+    """Whether learner rank 0 shares GPU 0 with vLLM: a one-node run whose node has GPUs but none
+    spare per learner (of `gpus` and `learners` on the node, of `nodes`; default: this machine's
+    and torchrun's). Every rank answers the same, so that all take the generator's "ready" message
+    at the same point; across nodes, node 0 must leave GPU 0 to vLLM (learner_device says so)."""
     gpus = torch.cuda.device_count() if gpus is None else gpus
     learners = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if learners is None else learners
-    return 0 < gpus <= learners
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1)) if nodes is None else nodes
+    return nodes == 1 and 0 < gpus <= learners
 
 
-def learner_gpu(local_rank: int, gpus: Optional[int] = None, learners: Optional[int] = None) -> int:
-    """vLLM owns GPU 0; learner rank i uses GPU i+1 of its node (GPU i when none is spare: rank 0
-    then shares GPU 0 with vLLM)."""
-    return local_rank if shares_gpu0(gpus, learners) else local_rank + 1
+def learner_gpu(local_rank: int, gpus: Optional[int] = None, learners: Optional[int] = None,
+                node: Optional[int] = None, nodes: Optional[int] = None) -> int:
+    """vLLM owns GPU 0 of node 0 (torchrun's GROUP_RANK 0, where rank 0 runs): there learner i
+    uses GPU i+1 (GPU i when none is spare on a one-node run: rank 0 then shares GPU 0 with vLLM).
+    Other nodes have no generator: there learner i uses GPU i, GPU 0 included."""
+    node = int(os.environ.get("GROUP_RANK", 0)) if node is None else node
+    return local_rank if node > 0 or shares_gpu0(gpus, learners, nodes) else local_rank + 1
 
 
 def learner_device(world_size: int, generator_cores: int) -> tuple:
@@ -204,7 +238,12 @@ def learner_device(world_size: int, generator_cores: int) -> tuple:
     if world_size > 1:
         init_learner_group(torch.cuda.is_available())
     if torch.cuda.is_available():
-        device = torch.device("cuda", learner_gpu(int(os.environ.get("LOCAL_RANK", 0))))
+        gpu = learner_gpu(int(os.environ.get("LOCAL_RANK", 0)))
+        if gpu >= torch.cuda.device_count():
+            fail(f"learner rank {os.environ.get('RANK', 0)} needs GPU {gpu} of its node, which has "
+                 f"{torch.cuda.device_count()}: on the generator's node (node 0) launch at most one learner "
+                 f"per GPU but GPU 0 (--nproc_per_node), on the others one per GPU")
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
         return device, None
     all_cores = sorted(os.sched_getaffinity(0))

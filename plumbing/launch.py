@@ -7,7 +7,7 @@ import functools
 import gc
 import signal
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import datasets
 import torch.distributed as dist
@@ -19,12 +19,13 @@ from plumbing import checkpoint, core, metrics
 from plumbing.generator_io import GeneratorError
 
 
-def parse_args(args_class, tiny_defaults: dict):
-    """tyro's parse of Args; `--model tiny` has its own defaults (flags override them)."""
-    argv = sys.argv[1:]
-    tiny = "--model=tiny" in argv or any(a == "--model" and argv[i + 1: i + 2] == ["tiny"]
-                                         for i, a in enumerate(argv))
-    defaults = args_class(model="tiny", **tiny_defaults) if tiny else args_class()
+def parse_args(args_class, tiny_defaults: dict, preset_defaults: Optional[dict] = None):
+    """tyro's parse of Args; `--model tiny`, and a preset in `preset_defaults` ({name: defaults}),
+    have their own defaults (flags override them)."""
+    argv, presets = sys.argv[1:], {"tiny": tiny_defaults, **(preset_defaults or {})}
+    model = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] if i + 1 < len(argv) else None
+                  for i, a in enumerate(argv) if a == "--model" or a.startswith("--model=")), None)
+    defaults = args_class(model=model, **presets[model]) if model in presets else args_class()
     return tyro.cli(args_class, default=defaults)
 
 

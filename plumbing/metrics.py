@@ -85,6 +85,20 @@ def print_evaluation(record: dict, reward_names) -> None:
         tqdm.write(f"  ...{sample['prompt'][-60:]!r} -> {sample['response']!r}")
 
 
+def save_completions(output_dir: str, eval_data, responses: list, tokenizer) -> None:
+    """{output_dir}/final_completions.jsonl, what benchmarks/judge.py reads: per evaluation prompt, the
+    prompt (a chat's turns, or its text), the policy's completion and the reference, as text and
+    their lengths in tokens (the end token included)."""
+    plain = dict(skip_special_tokens=True)
+    with open(os.path.join(output_dir, "final_completions.jsonl"), "w") as file:
+        for row, response in zip(eval_data, responses):
+            reference = tokenizer(row["reference_response"], add_special_tokens=False)["input_ids"]
+            file.write(json.dumps(dict(
+                prompt=row["messages"][:-1] if "messages" in row else row["query"],
+                response=tokenizer.decode(response, **plain), reference=tokenizer.decode(reference, **plain),
+                response_tokens=len(response), reference_tokens=len(reference))) + "\n")
+
+
 # --- Episodes and timings -------------------------------------------------------------------------
 def episodes_at(step: int, args) -> int:
     """Training prompts consumed after `step` steps (epochs after the first revisit a round)."""

@@ -7,20 +7,25 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from plumbing.core import bos_prefix, fail
+from plumbing.core import bos_prefix, fail, tokenize_prompts
 
 
-def load_reward_models(args, tokenizer, train_data, dtype: torch.dtype, device) -> dict:
+def load_reward_models(args, tokenizer, splits: tuple, dtype: torch.dtype, device) -> dict:
     """The proxy (and gold) reward models, each with `retokenize`: None when it reads the policy's
     token ids as they are, else the function that turns them into its own (reward_tokenizer, which
-    tries the first training prompts)."""
-    models, probe_texts = {}, train_data["query"][:16]
+    tries the first training prompts). With --reward_chat_template and a chat dataset, the turns of
+    each prompt (of every split: its ids as the scripts tokenise them) for the reward model's own
+    template."""
+    models, probe_texts, chats = {}, splits[0]["query"][:16], None
+    if args.reward_chat_template and "messages" in splits[0].column_names:
+        chats = {tuple(ids): row[:-1] for split in splits for ids, row in zip(
+            tokenize_prompts(tokenizer, split["query"], args.max_prompt_length), split["messages"])}
     for name, flag in (("proxy", "reward_model_path"), ("gold", "gold_reward_model_path")):
         if getattr(args, flag):
             path = getattr(args, flag)
             models[name] = model = load_reward_model(flag, path, dtype, device)
             model.retokenize = reward_tokenizer(flag, path, model, tokenizer, probe_texts,
-                                                args.reward_chat_template, args.rank)
+                                                args.reward_chat_template, args.rank, chats)
     return models
 
 
@@ -39,7 +44,7 @@ def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.de
 
 
 def reward_tokenizer(flag: str, path: str, model, tokenizer, probe_texts: list[str],
-                     chat_template: bool, rank: int) -> Optional[Callable]:
+                     chat_template: bool, rank: int, chats: Optional[dict] = None) -> Optional[Callable]:
     """None if the reward model's tokenizer is the policy's (same vocabulary, same ids for the probe
     texts) and no chat template is asked for; else `retokenize` bound to its tokenizer, tried on the
     probe texts first so that a tokenizer that cannot encode them fails here, not mid-run."""
@@ -56,7 +61,7 @@ def reward_tokenizer(flag: str, path: str, model, tokenizer, probe_texts: list[s
             print(f"--{flag}: the policy's tokenizer: scores the policy's token ids as they are")
         return None
     max_length = min(getattr(model.config, "max_position_embeddings", 2**20), own.model_max_length)
-    bound = functools.partial(retokenize, tokenizer, own, chat_template, max_length)
+    bound = functools.partial(retokenize, tokenizer, own, chat_template, max_length, chats or {})
     probe = tokenizer(probe_texts, add_special_tokens=False)["input_ids"]
     try:
         ids = bound(probe, [[] for _ in probe], [False] * len(probe))[0]
@@ -73,13 +78,13 @@ def reward_tokenizer(flag: str, path: str, model, tokenizer, probe_texts: list[s
     return bound
 
 
-def retokenize(tokenizer, own, chat_template: bool, max_length: int, prompts: list,
+def retokenize(tokenizer, own, chat_template: bool, max_length: int, chats: dict, prompts: list,
                responses: list, has_eos: list) -> tuple[list, list, int]:
     """The reward model's own ids for each prompt + completion, from the text the policy's ids
     decode to: its BOS if it adds one, the text, and its EOS where the policy's completion ended
-    with EOS (or the prompt and completion as a user and an assistant turn of its chat template);
-    cut from the left to its maximum length, as prompts are. Returns them as prompts, empty
-    responses, and its pad id."""
+    with EOS (or, in its chat template, the prompt as a user turn, a chat dataset's prompt as its
+    own turns (`chats`), then the completion as an assistant turn); cut from the left to its
+    maximum length, as prompts are. Returns them as prompts, empty responses, and its pad id."""
     bos, eos, ids = bos_prefix(own), [own.eos_token_id] if own.eos_token_id is not None else [], []
     pad_id = next((i for i in (own.pad_token_id, own.eos_token_id) if i is not None), 0)
     plain = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)  # the text, as it is
@@ -87,7 +92,7 @@ def retokenize(tokenizer, own, chat_template: bool, max_length: int, prompts: li
         text = tokenizer.decode(prompt + response, **plain)
         if chat_template:  # the template writes its own special tokens
             question = tokenizer.decode(prompt, **plain)
-            turns = [dict(role="user", content=question),
+            turns = [*chats.get(tuple(prompt), [dict(role="user", content=question)]),
                      dict(role="assistant", content=text.removeprefix(question))]
             text, head, tail = own.apply_chat_template(turns, tokenize=False), [], []
         else:

@@ -16,6 +16,10 @@ from conftest import run_script
     (["--sft_model_path", "/no/such/model"], "--sft_model_path /no/such/model"),
     (["--reward_model_path", "nobody/no-such-reward-model"], "--reward_model_path nobody/no-such-reward-model"),
     (["--dataset", "/no/such/data.jsonl"], "--dataset /no/such/data.jsonl"),
+    (["--eval_split", "test"], "no 'test' split"),
+    (["--sft_model_revision", "main"], "--sft_model_revision main: --sft_model_path"),  # a local folder
+    (["--reward_model_path", "nobody/no-such-rm", "--reward_model_revision", "v1"],
+     "--reward_model_revision v1 of --reward_model_path nobody/no-such-rm could not be fetched"),
 ])
 def test_bad_flags_are_rejected_early(tiny_dir, tmp_path, flags, message):
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), *flags, timeout=120,

@@ -140,6 +140,17 @@ def test_every_rank_takes_the_generators_ready_at_the_same_point(gpus, learners,
         assert len(set(devices)) == learners and max(devices) < gpus and (0 in devices) == shares
 
 
+def test_two_nodes_give_every_learner_a_gpu_of_its_own_and_vllm_gpu_0_of_node_0():
+    """Across nodes (torchrun --nnodes 2: 7 learners on the generator's node, 8 on the other), node 0 keeps GPU 0
+    for vLLM and its learners take GPUs 1-7; node 1 has no generator, so its learners take all 8; no rank shares
+    GPU 0 with vLLM, so every rank takes the generator's "ready" at the same point (after loading its models). The
+    same 8 learners on one node would share GPU 0 (the one-node rule above)."""
+    assert [core.learner_gpu(i, 8, 7, node=0, nodes=2) for i in range(7)] == list(range(1, 8))
+    assert [core.learner_gpu(i, 8, 8, node=1, nodes=2) for i in range(8)] == list(range(8))
+    assert not core.shares_gpu0(8, 7, nodes=2) and not core.shares_gpu0(8, 8, nodes=2)
+    assert core.shares_gpu0(8, 8, nodes=1) and core.learner_gpu(0, 8, 8, node=0, nodes=1) == 0
+
+
 def test_crashing_generator_reports_its_error(tiny_dir, tmp_path):
     """A model vLLM cannot serve on CPU (head size 16) but transformers can train: the engine's own error reaches
     the user and the learner exits, no hang."""

@@ -35,7 +35,8 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     engine = dict(model=sft, dtype="float32", seed=1, enforce_eager=True, max_model_len=320,
                   kv_cache_memory_bytes=2**25)
     generator = ctx.Process(target=async_dpo.generator_main,
-                            args=(engine, buffer, table, requests, results, None, tempfile.mkdtemp(), None))
+                            args=(engine, buffer, table, tokenizer.eos_token_id, requests, results, None,
+                                  tempfile.mkdtemp(), None))
     generator.start()
     try:
         assert generator_io.receive(results, generator)["kind"] == "ready"

@@ -1,6 +1,7 @@
 """Unit tests of the numerically delicate pieces of async_dpo.py, on the tiny models (no vLLM)."""
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -337,3 +338,21 @@ def test_regime_names_the_side_that_waited_and_its_knob():
     assert two_rounds.startswith("regime: training-bound") and "a round." in two_rounds, two_rounds
     assert metrics.regime([round_record(0.0, 1.0, 1.1, 0.0)] * 3).startswith("regime: balanced")
     assert "too few rounds" in metrics.regime(generation_bound[:1])
+
+
+def test_the_chatbot_preset_has_table_7s_defaults_and_flags_override_them(monkeypatch):
+    """`--model llama-3.1-8b-no-robots`: the paper's chatbot models at their revisions, its Table 7 (but 252 prompts a
+    step, to divide over 7 learners), the test split; a flag still wins; the sync baseline has the same preset."""
+    import async_dpo
+    import sync_baseline
+    from plumbing import launch
+
+    for script in (async_dpo, sync_baseline):
+        monkeypatch.setattr(sys, "argv", ["x.py", "--model", "llama-3.1-8b-no-robots", "--beta", "0.05"])
+        args = launch.parse_args(script.Args, script.TINY_DEFAULTS, script.PRESET_DEFAULTS)
+        assert (args.learning_rate, args.beta, args.temperature, args.batch_size, args.max_prompt_length,
+                args.response_length, args.missing_eos_penalty, args.total_episodes, args.eval_split) == (
+            8e-7, 0.05, 0.7, 252, 512, 1024, -10.0, 100_000, "test")
+        assert args.sft_model_revision.startswith("costa_finetune_tulu3_8b_norobot__meta-llama_Meta-Llama-3.1-8B")
+        assert args.reward_model_revision == "reward_modeling__1__1725760619" and args.batch_size % 7 == 0
+        assert script.PRESETS[args.model][2] == "HuggingFaceH4/no_robots"
