@@ -34,8 +34,8 @@ def pytest_collection_modifyitems(items: list) -> None:
     build the two worlds side by side; the benchmarks, which need both, come after the GSM8k world is built; the
     quick files fill in at the end."""
     first = ["test_gsm8k.py", "test_end_to_end.py", "test_resume.py", "test_shutdown.py", "test_ppo.py",
-             "test_rloo.py", "test_benchmarks.py", "test_soundness.py", "test_reward_tokenizer.py", "test_failures.py",
-             "test_sync_baseline.py"]
+             "test_rloo.py", "test_benchmarks.py", "test_chat.py", "test_soundness.py", "test_reward_tokenizer.py",
+             "test_failures.py", "test_sync_baseline.py"]
     rank = {name: i for i, name in enumerate(first)}
     items.sort(key=lambda item: rank.get(item.path.name, len(first)))
 
