@@ -84,13 +84,12 @@ def read_curve(output_dir: str) -> dict:
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     steps = {r["step"]: r for r in records if "staleness" in r}
     evals = [r for r in records if "eval/gold_win_rate" in r]
-    rounds = [r for r in records if "time/training" in r][1:] or [r for r in records if "time/training" in r]
+    means = metrics.round_means(records)
     return dict(
         episodes=[e["episode"] for e in evals], win_rate=[e["eval/gold_win_rate"] for e in evals],
         seconds=[steps[e["step"]]["time/elapsed"] if e["step"] else 0.0 for e in evals],
         perplexity=evals[-1]["eval/perplexity"], final=evals[-1]["eval/gold_win_rate"],
-        generation=statistics.mean(r["time/weight_load"] + r["time/generation"] for r in rounds),
-        training=statistics.mean(r["time/weight_sync"] + r["time/training"] for r in rounds),
+        generation=means["generating"], training=means["training"],
         margin=statistics.median(r["reward/margin_median"] for r in steps.values()),
         total=evals[-1]["time/elapsed"], regime=metrics.regime(records))
 

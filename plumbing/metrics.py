@@ -135,16 +135,15 @@ def round_times(origin: float, round_start: float, eval_seconds: float, **phases
 
 
 # --- Which side waited: the regime of the paper's Section 4 ---------------------------------------
-def regime(records: list[dict], balanced: float = 1.2) -> str:
-    """One line: which side of the pipeline waited for the other over a run's rounds (the first left
-    out: nothing overlaps it), by how much, and the knob the paper's Section 4 suggests for it."""
+def round_means(records: list[dict]) -> Optional[dict]:
+    """A run's mean seconds a round spends generating (weight load + generation), training (weight sync +
+    training), with the learner waiting and (None under three rounds) with the generator waiting, over its
+    rounds after the first (nothing overlaps the first); None with fewer than two rounds."""
     rounds = [r for r in records if "time/training" in r][1:]
     if not rounds:
-        return "regime: too few rounds to tell which side waited (it needs two)"
-    per_round = {phase: sum(r[f"time/{phase}"] for r in rounds) / len(rounds)
-                 for phase in ("weight_load", "generation", "weight_sync", "training", "learner_wait")}
-    generating = per_round["weight_load"] + per_round["generation"]
-    training = per_round["weight_sync"] + per_round["training"]
+        return None
+    mean = {phase: sum(r[f"time/{phase}"] for r in rounds) / len(rounds)
+            for phase in ("weight_load", "generation", "weight_sync", "training", "learner_wait")}
     # the generator's wait: from a batch's end to the next batch's weight load, less evaluations
     # sampled in between (from the second batch on, as the means: the learner awaits the first)
     evals = [(r["timeline/eval_generation_start"], r["timeline/eval_generation_end"])
@@ -153,9 +152,21 @@ def regime(records: list[dict], balanced: float = 1.2) -> str:
     for done, following in zip(rounds, rounds[1:]):
         start, end = done["timeline/generation_end"], following["timeline/weight_load_start"]
         gaps.append(end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in evals))
+    return dict(generating=mean["weight_load"] + mean["generation"],
+                training=mean["weight_sync"] + mean["training"], learner_wait=mean["learner_wait"],
+                generator_wait=sum(gaps) / len(gaps) if gaps else None)
+
+
+def regime(records: list[dict], balanced: float = 1.2) -> str:
+    """One line: which side of the pipeline waited for the other over a run's rounds (`round_means`), by how
+    much, and the knob the paper's Section 4 suggests for it."""
+    means = round_means(records)
+    if means is None:
+        return "regime: too few rounds to tell which side waited (it needs two)"
+    generating, training = means["generating"], means["training"]
     times = (f"a round's generation {generating:.2f} s against its training {training:.2f} s; the learner "
-             f"waited {per_round['learner_wait']:.2f} s a round"
-             + (f", the generator {sum(gaps) / len(gaps):.2f} s" if gaps else ""))
+             f"waited {means['learner_wait']:.2f} s a round"
+             + (f", the generator {means['generator_wait']:.2f} s" if means["generator_wait"] is not None else ""))
     if generating > balanced * training:
         return (f"regime: generation-bound ({generating / training:.1f}x): {times}. The paper's knob: more "
                 "updates on each batch (--num_epochs 2 or 3), fewer episodes to a win rate, at some KL")
