@@ -22,6 +22,7 @@ The speed-up is one number per run: the wall-clock time at which its weights fir
     python benchmarks/compute_optimal.py --quick    # one seed, short runs: checks that it works, for CI
 """
 import json
+import math
 import os
 import shutil
 import statistics
@@ -80,7 +81,7 @@ class Args:
 def read_curve(output_dir: str) -> dict:
     """A run's evaluations (episode, wall-clock seconds at which its weights existed, gold win rate, perplexity),
     its rounds' mean generation and training seconds (the regime line's sums, rounds after the first), the median
-    of its steps' median pair margins, and its regime line."""
+    of its steps' median pair margins (NaN: a step with no pair, left out), and its regime line."""
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     steps = {r["step"]: r for r in records if "staleness" in r}
     evals = [r for r in records if "eval/gold_win_rate" in r]
@@ -90,7 +91,7 @@ def read_curve(output_dir: str) -> dict:
         seconds=[steps[e["step"]]["time/elapsed"] if e["step"] else 0.0 for e in evals],
         perplexity=evals[-1]["eval/perplexity"], final=evals[-1]["eval/gold_win_rate"],
         generation=means["generating"], training=means["training"],
-        margin=statistics.median(r["reward/margin_median"] for r in steps.values()),
+        margin=statistics.median(m for m in (r["reward/margin_median"] for r in steps.values()) if not math.isnan(m)),
         total=evals[-1]["time/elapsed"], regime=metrics.regime(records))
 
 
