@@ -16,6 +16,7 @@ verdict is appended to --judgements as it arrives, and a second run asks only wh
     python benchmarks/judge.py runs/my_run --base_url https://api.openai.com/v1 --model gpt-4o-2024-08-06
     python benchmarks/judge.py runs/my_run --base_url http://localhost:8000/v1 --model my-judge   # vllm serve
 """
+import http.client
 import json
 import math
 import os
@@ -94,8 +95,13 @@ def ask(args: Args, api_key: Optional[str], item: dict, policy_first: bool) -> d
             request = urllib.request.Request(args.base_url.rstrip("/") + "/chat/completions", body, headers)
             with urllib.request.urlopen(request, timeout=args.timeout) as response:
                 reply = json.load(response)["choices"][0]["message"]["content"] or ""
+            if not isinstance(reply, str):
+                raise TypeError(f"the reply's content is {type(reply).__name__}, not text")
             break
-        except (urllib.error.URLError, TimeoutError, OSError, KeyError, json.JSONDecodeError) as error:
+        # A reply of another shape (no choices, a null), not JSON, or cut short (IncompleteRead: an HTTPException,
+        # not an OSError) is a failed attempt too
+        except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException, KeyError, IndexError,
+                TypeError, json.JSONDecodeError, UnicodeDecodeError) as error:
             refused = isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (
                 408, 429)  # the request itself is wrong (too long, unknown model): asking again will not help
             if attempt == args.max_retries or refused:
@@ -118,18 +124,19 @@ if __name__ == "__main__":
     if os.path.exists(judgements_path):
         for line in open(judgements_path):
             verdict = json.loads(line)
-            done[verdict["index"], verdict["policy_first"]] = verdict
+            if verdict["index"] < len(items):  # one for a prompt past --limit stays in the file, uncounted
+                done[verdict["index"], verdict["policy_first"]] = verdict
     todo = [(i, order) for i in range(len(items)) for order in (True, False) if (i, order) not in done]
     print(f"{len(items)} prompts, both orders: {len(done)} verdicts already in {judgements_path}, asking "
           f"{len(todo)} of {args.model} at {args.base_url}", flush=True)
 
-    api_key, failed = os.environ.get(args.api_key_env), 0
+    api_key, failed, first_error = os.environ.get(args.api_key_env), 0, None
     with ThreadPoolExecutor(args.concurrency) as pool, open(judgements_path, "a") as out:
         futures = [(i, order, pool.submit(ask, args, api_key, items[i], order)) for i, order in todo]
         for i, order, future in futures:
             verdict = future.result()
             if "error" in verdict:  # not written: asked again next run
-                failed += 1
+                failed, first_error = failed + 1, first_error or verdict["error"]
                 continue
             verdict.update(index=i, policy_first=order)
             out.write(json.dumps(verdict) + "\n")
@@ -146,6 +153,8 @@ if __name__ == "__main__":
     second_wins = [v["winner"] == "policy" for (_, order), v in done.items() if not order and v["winner"]]
     print(f"verdicts: {len(done)} of {2 * len(items)} ({failed} failed after retries this run: run again to ask "
           f"them), {unparsed} unparsed (the reply named neither output)")
+    if first_error:  # (a wrong --base_url, key or model fails every request the same way)
+        print(f"the first failure: {first_error[:300]}")
     if scores:
         stderr = statistics.stdev(scores) / math.sqrt(len(scores)) if len(scores) > 1 else 0.0
         print(f"win rate against the references: {statistics.mean(scores):.3f} ± {stderr:.3f} over {len(scores)} "
