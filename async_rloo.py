@@ -14,6 +14,7 @@ import contextlib
 import functools
 import math
 import os
+import random
 import tempfile
 import time
 import traceback
@@ -39,10 +40,19 @@ PRESETS = {  # --model: (SFT policy, proxy reward model, dataset) on the Hugging
 }
 # `--model tiny` swaps in defaults that train a locally built toy model on 2 CPU cores in minutes.
 TINY_DEFAULTS = dict(
-    learning_rate=1e-4, response_length=16, max_prompt_length=64, total_episodes=1920,
+    lag_every=1, learning_rate=1e-4, response_length=16, max_prompt_length=64, total_episodes=1920,
     batch_size=32, per_device_train_batch_size=16, eval_every=15, num_eval_prompts=128,
     eval_response_length=16,
 )
+
+
+# Flags a resumed run may change: where and how it logs, and its evaluations (they draw no training
+# sample). Any other difference from the checkpoint's run is refused, naming the flag.
+MAY_DIFFER_ON_RESUME = {
+    "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "verbose", "tiny_dir",
+    "vllm_gpu_memory_utilization", "generator_cores", "gradient_checkpointing", "save_every", "resume_from",
+    "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
+    "eval_temperature", "eval_response_length"}
 
 
 @dataclass
@@ -136,6 +146,9 @@ class Args:
     """score of a completion that never emits EOS, instead of the reward model's (None: none)"""
     max_grad_norm: Optional[float] = None
     """clip gradients to this norm (off by default, as in the paper's TL;DR runs)"""
+    lag_every: int = 10
+    """log `lag/update`, the step's relative size, every this many steps (it copies the parameters to
+    host memory and back: at 2.8B, 11 GB each way per rank)"""
 
     # Evaluation
     eval_every: int = 32
@@ -182,11 +195,21 @@ class Args:
 
 def resolve_args(args: Args) -> Args:
     """Args' runtime fields, right after parsing: the learner ranks, the schedule's sizes, the
-    precision, where the run logs, and the preset's models and data (plumbing only checks flags)."""
+    precision, where the run logs, and the preset's models and data. It checks this script's own
+    flags (core.check_flags those every script has)."""
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
     if args.num_samples < 2:
         core.fail(f"--num_samples must be at least 2 (a baseline needs another), got {args.num_samples}")
     core.check_flags(args)
+    for bad, message in [
+        (min(args.cliprange, args.kl_coef) < 0, "--cliprange and --kl_coef must not be negative"),
+        (args.is_correction != "none" and not args.recompute_old_logprobs, "--is_correction needs "
+         "--recompute_old_logprobs: without it pi_old is the sampler's mu, so w = pi_old / mu is 1"),
+        (not 0 <= args.is_cap_low < args.is_cap,
+         f"--is_cap_low and --is_cap must satisfy 0 <= low < cap, got {args.is_cap_low}, {args.is_cap}"),
+    ]:
+        if bad:
+            core.fail(message)
     args.local_batch_size = args.batch_size // args.world_size
     args.gradient_accumulation_steps = args.local_batch_size // args.per_device_train_batch_size
     args.num_rounds = args.total_episodes // (args.batch_size * args.num_mini_batches)
@@ -198,6 +221,8 @@ def resolve_args(args: Args) -> Args:
     if args.output_dir is None:  # (resumed: the run's own folder)
         args.output_dir = (checkpoint.run_folder(args.resume_from) if args.resume_from
                            else os.path.join("runs", args.run_name))
+    if args.model != "tiny" and args.model not in PRESETS:  # (a new --model value needs its preset)
+        core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
     sft, reward, data, gold = (tiny_world.build_tldr(args.tiny_dir) if args.model == "tiny"
                                else (*PRESETS[args.model], None))  # (tiny: built once, then cached)
     args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
@@ -215,9 +240,16 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     train_data, eval_data = core.load_prompt_splits(
         args.dataset, args.seed, names=("train", args.eval_split), tokenizer=tokenizer,
         tokenizer_path=args.sft_model_path, max_prompt_length=args.max_prompt_length)
-    device, generator_cores, metrics_file = launch.start_run(args, cleanup)
+    # Placement: vLLM owns GPU 0 of the first node; learner i takes GPU i + 1 there (GPU i on other
+    # nodes), or, on one node with no GPU spare per learner, GPU i: rank 0 then sits beside vLLM.
+    # On a CPU the generator gets the last --generator_cores cores and the learner the others.
+    shares_gpu0 = core.shares_gpu0()  # (every rank answers the same)
+    local_rank, node = int(os.getenv("LOCAL_RANK", "0")), int(os.getenv("GROUP_RANK", "0"))
+    gpu = local_rank if shares_gpu0 or node > 0 else local_rank + 1
+    device, generator_cores = core.learner_device(args.world_size, gpu, args.generator_cores)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    metrics_file = launch.start_run(args, cleanup, MAY_DIFFER_ON_RESUME)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
-    shares_gpu0 = core.shares_gpu0()  # no spare GPU per learner: rank 0 sits beside vLLM
     autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
     # The facts every step uses. A completion ends at EOS, or, in a chat dataset, at the template's
     # end-of-turn token (Llama 3.1's <|eot_id|>): sampling stops there, the EOS penalty follows it
@@ -228,30 +260,40 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     config = AutoConfig.from_pretrained(args.sft_model_path)
     with torch.device("meta"):  # the buffer's layout needs the config only, no weights
         weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
-    generator, weight_buffer = generator_io.Generator(args.rank, args.world_size), None
-    if args.rank == 0:  # (the other ranks get its messages from rank 0)
-        weight_buffer = make_weight_buffer(weight_layout, dtype, device)
-        generator = start_generator(engine_kwargs(args, config, use_cuda), weight_buffer, weight_layout,
+    generator = generator_io.Generator()  # (the other ranks get its messages from rank 0)
+    if args.rank == 0:
+        generator = start_generator(engine_kwargs(args, config, use_cuda), weight_layout,
                                     run.eos_id, None if use_cuda else generator_cores, args)
         cleanup.callback(generator.stop)
     if shares_gpu0:
-        generator.collect()  # "ready": vLLM has taken its share of GPU 0
+        collect(generator, args)  # "ready": vLLM has taken its share of GPU 0
 
     # The policy trains in float32 (under autocast on GPU); the reference runs exactly as it does,
     # so that log pi - log pi_ref is 0 at step 0 on GPU as on CPU. Reward models load in `dtype`.
+    # Each goes to the learner's device as it loads (--fsdp: sharded there block by block), so that
+    # neither the host nor the device holds two whole models at a time (at 8B, 30 GiB each)
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
-    policy = core.train_without_dropout(policy.to(device), args.gradient_checkpointing)
+    policy = core.on_learner(core.train_without_dropout(policy, args.gradient_checkpointing), args, device)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
-    ref_policy = ref_policy.to(device).eval().requires_grad_(False)
-    reward_models = load_reward_models(args, tokenizer, (train_data, eval_data), dtype, device)
-    learner = core.shard_or_replicate(policy, [ref_policy, *reward_models.values()], args, device)
+    ref_policy = core.on_learner(ref_policy.eval().requires_grad_(False), args, device)
+    reward_models = {name: core.on_learner(model, args, device) for name, model in load_reward_models(
+        args, tokenizer, (train_data, eval_data), dtype).items()}
+    learner = core.shard_or_replicate(policy, args, device)  # (DDP or FSDP2: what the optimizer trains)
     optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.num_steps)
+    weight_buffer = None
+    if args.rank == 0:  # ASYNC: the hand-off's buffer, allocated once the models are sharded
+        weight_buffer = make_weight_buffer(weight_layout, dtype, device)
+        submit(generator, dict(kind="weight_buffer", weight_buffer=weight_buffer))
 
+    # The prompt order: a fresh shuffle of the training prompts for each pass over them, in rounds
     train_prompts = core.tokenize_prompts(tokenizer, train_data["query"], args.max_prompt_length)
-    prompt_rounds = core.prompt_rounds(len(train_prompts), args)  # [round, prompt] indices
+    per_round = args.batch_size * args.num_mini_batches
+    passes = -(-args.num_rounds * per_round // len(train_prompts))
+    order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])
+    prompt_rounds = order[: args.num_rounds * per_round].reshape(args.num_rounds, per_round)
     # A round is N mini-batches of batch_size prompts, each split over the ranks: [N, ranks, local]
-    my_prompts = np.arange(args.batch_size * args.num_mini_batches).reshape(
+    my_prompts = np.arange(per_round).reshape(
         args.num_mini_batches, args.world_size, -1)[:, args.rank].ravel()  # this rank's positions
     eval_set = evaluation_set(eval_data, tokenizer, reward_models, args, run)
     eval_prompts = eval_set["prompts"][: eval_set["num_prompts"]]  # during training
@@ -259,7 +301,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         score_evaluation, eval_set=eval_set, reward_models=reward_models, ref_policy=ref_policy,
         tokenizer=tokenizer, args=args, run=run, metrics_file=metrics_file)
     if not shares_gpu0:
-        generator.collect()  # "ready": vLLM was built while we loaded our models
+        collect(generator, args)  # "ready": vLLM was built while we loaded our models
 
     # The loop's state, fresh or (--resume_from) where a checkpoint left it: the first round, the
     # policy's version (optimizer steps taken; 0: the SFT weights, vLLM's start), the version in the
@@ -274,18 +316,18 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                                           disable=args.rank != 0, dynamic_ncols=True))
 
     if not args.resume_from:  # evaluate the SFT policy, then start the clock
-        generator.submit(eval_request(0, eval_prompts, args))
-        run_evaluation(generator.collect(), training_start=None)
+        submit(generator, eval_request(0, eval_prompts, args))
+        run_evaluation(collect(generator, args), training_start=None)
     training_start = time.time()
     first_prompts = [train_prompts[i] for i in prompt_rounds[first_round]]
-    generator.submit(train_request(first_round, buffer_version, first_prompts, args))
+    submit(generator, train_request(first_round, buffer_version, first_prompts, args))
     for eval_version in pending_evals:  # (resumed: evaluations that were queued behind it)
-        generator.submit(eval_request(eval_version, eval_prompts, args))
+        submit(generator, eval_request(eval_version, eval_prompts, args))
     for round_index in range(first_round, args.num_rounds):
         # 1. Receive this round's batch, sampled with the previous weights (evaluations first)
         round_start = wait_start = time.time()
         eval_seconds = 0.0
-        while (batch := generator.collect())["kind"] == "eval":
+        while (batch := collect(generator, args))["kind"] == "eval":
             eval_seconds += run_evaluation(batch, training_start=training_start)
             pending_evals.pop(0)
         wait_end = time.time()
@@ -300,10 +342,10 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
             buffer_version = version
         if round_index + 1 < args.num_rounds:
             next_prompts = [train_prompts[i] for i in prompt_rounds[round_index + 1]]
-            generator.submit(train_request(round_index + 1, version, next_prompts, args))
+            submit(generator, train_request(round_index + 1, version, next_prompts, args))
         if args.eval_every and version // args.eval_every > last_eval // args.eval_every:
             last_eval = version  # queued behind the training batch: never generated after it
-            generator.submit(eval_request(version, eval_prompts, args))
+            submit(generator, eval_request(version, eval_prompts, args))
             pending_evals.append(version)
         sync_end = time.time()
 
@@ -327,7 +369,10 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
             for n in range(args.num_mini_batches):
                 mini_batch = {key: value[n * size: (n + 1) * size] for key, value in episodes.items()}
                 staleness = version - batch["generation_version"]  # steps since it was sampled
+                before = core.parameters_copy(policy) if version % args.lag_every == 0 else None
                 stats = rloo_update(learner, optimizer, scheduler, mini_batch, args, run)
+                if before is not None:  # the lag: how far the step moved the policy
+                    stats["lag/update"] = core.relative_update(policy, before, args.world_size)
                 version += 1
 
                 # 6. Log the step (and the round's timings with its last step)
@@ -349,16 +394,16 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # 7. Checkpoint (--save_every, or SIGTERM) at the round's end
         if round_index + 1 < args.num_rounds and checkpoint.due(args, version):
             loop = (round_index + 1, version, buffer_version, last_eval, pending_evals)
-            score = functools.partial(run_evaluation, training_start=training_start)
-            pending_evals = checkpoint.save(args, loop, generator, score, **saved)
+            pending_evals = checkpoint.save(args, loop, lambda: run_evaluation(
+                collect(generator, args), training_start=training_start), **saved)
 
     # Final evaluation (the whole validation split by default) with the last weights. One requested
     # in the last round may still be loading its weights: score it before the buffer is rewritten.
     for _ in pending_evals:
-        run_evaluation(generator.collect(), training_start=training_start)
+        run_evaluation(collect(generator, args), training_start=training_start)
     write_weight_snapshot(policy, weight_buffer, weight_layout)
-    generator.submit(eval_request(version, eval_set["prompts"], args, final=True))
-    run_evaluation(generator.collect(), training_start=training_start)
+    submit(generator, eval_request(version, eval_set["prompts"], args, final=True))
+    run_evaluation(collect(generator, args), training_start=training_start)
     progress.close()
     metrics.print_regime(metrics_file)  # which side waited, and the paper's knob for it
     if args.save_model:
@@ -418,7 +463,16 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
     return torch.cat(logprobs)[: len(prompts)]
 
 
-# --- The reward (to score completions your own way, replace this function: see README.md) ---------
+# --- The reward: what training maximises (to train on your own, replace `training_reward`) --------
+def training_reward(reward_model, prompts: list, responses: list, has_eos: list, args: Args,
+                    run: core.Run) -> torch.Tensor:
+    """Each completion's training reward: the proxy reward model's score, or --missing_eos_penalty
+    for a completion that never ended. The evaluation's judges (the proxy's and the gold model's
+    win rates) call score_in_chunks themselves: replacing this function leaves them as they are."""
+    chunk = args.per_device_train_batch_size * args.num_samples
+    return score_in_chunks(reward_model, prompts, responses, has_eos, args.missing_eos_penalty, chunk, run)
+
+
 @torch.no_grad()
 def score_in_chunks(reward_model, prompts: list, responses: list, has_eos: list,
                     missing_eos_penalty: Optional[float], chunk: int, run: core.Run):
@@ -449,9 +503,8 @@ def make_episodes(batch: dict, prompts: list, my_prompts, reward_model, args: Ar
     completions = [i * K + k for i in my_prompts for k in range(K)]  # in the generator's output
     responses, has_eos = truncate_at_eos([batch["responses"][i] for i in completions],
                                          args.response_length, run.eos_id)
-    chunk = args.per_device_train_batch_size * K
-    scores = score_in_chunks(reward_model, [p for p in prompts for _ in range(K)], responses, has_eos,
-                             args.missing_eos_penalty, chunk, run)
+    scores = training_reward(reward_model, [p for p in prompts for _ in range(K)], responses, has_eos,
+                             args, run)
     width = max(map(len, responses))
     generator_logprobs = torch.tensor([batch["logprobs"][i][: len(r)] + [0.0] * (width - len(r))
                                        for i, r in zip(completions, responses)])
@@ -489,7 +542,10 @@ def add_advantages(episodes: dict, ref_logps, old_logprobs, args: Args) -> None:
     log_weights = log_ratio.sum(1)  # `token`: the product of the token weights
     if args.is_level == "sequence":  # their geometric mean (a product grows with the length)
         log_weights = log_weights / mask.sum(1)
-    is_weights = log_weights.clamp(max=math.log(1e30)).exp()  # (a long product would overflow)
+    elif args.is_level != "token":
+        raise ValueError(f"unknown --is_level {args.is_level}")
+    # (a long product would overflow, or underflow to 0: capped both ways, its statistics stay finite)
+    is_weights = log_weights.clamp(math.log(1e-30), math.log(1e30)).exp()
     is_factor, is_changed = importance_correction(is_weights, args)
     episodes.update(old_logps=old_logps, rewards=rewards, kl=kl, advantages=advantages,
                     advantage_std=[std] * len(advantages),  # every step logs it
@@ -505,7 +561,9 @@ def importance_correction(weights: torch.Tensor, args: Args) -> tuple:
     if args.is_correction == "mask":
         outside = (weights > args.is_cap) | (weights < args.is_cap_low)
         return (~outside).float(), outside
-    return torch.ones_like(weights), torch.zeros_like(weights, dtype=torch.bool)
+    if args.is_correction == "none":
+        return torch.ones_like(weights), torch.zeros_like(weights, dtype=torch.bool)
+    raise ValueError(f"unknown --is_correction {args.is_correction}")
 
 
 def rloo_loss(logps, old_logps, advantages, cliprange: float) -> tuple:
@@ -541,22 +599,22 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run
             losses, ratio, clipped = rloo_loss(logps, old_logps, advantages, args.cliprange)
             if args.loss == "copg":  # ALGO: the control: the same terms without ratio or clip
                 losses = copg_loss(logps, old_logps, advantages)
+            elif args.loss != "proximal":
+                raise ValueError(f"unknown --loss {args.loss}")
             losses = losses * micro["is_factor"].to(run.device)  # (1 without --is_correction)
             (losses.sum() * args.world_size / (args.batch_size * args.num_samples)).backward()
         outputs.append(torch.stack([losses, logps, ratio, clipped.float()]).detach().cpu())
     grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
-    before = core.parameters_copy(learner)  # (host memory: the update's size, for the logs)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
     # What the step logs: means over all ranks' completions. The lag: how far the policy is from
-    # the weights that sampled the batch (KL(mu || pi), k3 of the sequence log-ratio) and how far
-    # this step moved it (||delta theta|| / ||theta||)
+    # the weights that sampled the batch (KL(mu || pi), k3 of the sequence log-ratio; main() adds how
+    # far the step moved it, ||delta theta|| / ||theta||)
     losses, logps, ratio, clipped = torch.cat(outputs, dim=1)
     old_gap, mask = logps - mini_batch["old_logps"], mini_batch["response_mask"]
     generator_gap = (logps - mini_batch["generator_logps"]).double()
-    update = core.relative_update(learner, before, args.world_size)
     stats = core.step_stats(args.world_size, {
         "loss/policy": losses, "policy/clipfrac": clipped, "policy/ratio_mean": ratio,
         "policy/approx_kl": 0.5 * old_gap**2, "logps/generator_gap": generator_gap,
@@ -570,7 +628,7 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run
     if args.recompute_old_logprobs:  # (without it pi_old is mu: nothing to show)
         stats.update(core.offpolicy_stats(mini_batch["log_ratio"], mask, mini_batch["is_weights"],
                                           mini_batch["is_changed"], args.world_size))
-    return {"grad/norm": grad_norm, "lag/update": update, **stats}
+    return {"grad/norm": grad_norm, **stats}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
@@ -613,9 +671,8 @@ def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
 # --- Generator process: owns the vLLM engine ------------------------------------------------------
 # A spawned process, not a thread (the paper's lost ~15-20% of each step to the GIL); it also keeps
 # vLLM's side effects (patched GPTNeoX classes, torch.distributed) out of the learner.
-def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list,
-                   stop_id: int, requests, results, cores: Optional[list], run_tmp_dir: str,
-                   log_path: Optional[str]) -> None:
+def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, requests, results,
+                   cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
     try:
         generator_io.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # build the engine inside this process
@@ -624,6 +681,9 @@ def generator_main(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layo
 
         llm = LLM(**engine_kwargs)
         results.put(dict(kind="ready"))
+        # The hand-off's buffer comes first (shared memory, or CUDA IPC on GPU): the learner allocates
+        # it once its models are in place, so that at 8B it does not add to the learner's load peak
+        weight_buffer = requests.get()["weight_buffer"]
         loaded_version = 0  # the engine starts from the SFT checkpoint: the learner's version 0
         while (request := requests.get()) is not None:
             load_start = time.time()
@@ -673,20 +733,36 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
     return kwargs
 
 
-def start_generator(engine_kwargs: dict, weight_buffer: torch.Tensor, weight_layout: list, stop_id: int,
-                    cores: Optional[list], args: Args) -> generator_io.Generator:
-    """Spawn the generator with a one-slot queue each way."""
+def start_generator(engine_kwargs: dict, weight_layout: list, stop_id: int, cores: Optional[list],
+                    args: Args) -> generator_io.Generator:
+    """Spawn the generator with a one-slot queue each way (the weight buffer follows, by the queue)."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
     log_path = None if args.verbose else os.path.join(args.output_dir, "generator.log")
     generator_io.quiet_resource_tracker(log_path)
     ctx = mp.get_context("spawn")
     requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     process = ctx.Process(target=generator_main, args=(
-        engine_kwargs, weight_buffer, weight_layout, stop_id, requests, results, cores, run_tmp_dir,
-        log_path))
+        engine_kwargs, weight_layout, stop_id, requests, results, cores, run_tmp_dir, log_path))
     process.start()
-    return generator_io.Generator(args.rank, args.world_size, process, requests, results,
-                                  run_tmp_dir, log_path)
+    return generator_io.Generator(process, requests, results, run_tmp_dir, log_path)
+
+
+def submit(generator: generator_io.Generator, request: dict) -> None:
+    """ASYNC: put a request in the generator's one-slot queue. Rank 0 alone holds the generator (the
+    others have nothing to send); a dead generator found here is told at the next collect."""
+    if generator.process is not None:
+        generator_io.send(generator, request)
+
+
+def collect(generator: generator_io.Generator, args: Args) -> dict:
+    """ASYNC: the generator's next message from its one-slot queue: rank 0 takes it and broadcasts
+    it, so that every rank takes the same batch (or the generator's error) at the same point."""
+    message = generator_io.receive(generator) if args.rank == 0 else None
+    if args.world_size > 1:
+        box = [message]
+        torch.distributed.broadcast_object_list(box, src=0)
+        message = box[0]
+    return generator_io.raise_error(message, args.rank)
 
 
 def train_request(round_index: int, version: int, prompts: list, args: Args) -> dict:

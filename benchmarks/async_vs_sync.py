@@ -3,7 +3,7 @@
 Runs three configurations on the overlap benchmark's model (generation and training each take ~0.5 s a step):
   async      async_dpo.py: vLLM generator on one core, learner on the other, overlapped
   sync-vllm  sync_baseline.py: the same layout, in lockstep (the paper's baseline for its GSM8k and Llama runs)
-  sync-hf    sync_baseline.py --generation_backend hf: transformers generate, every core for both phases
+  sync-hf    benchmarks/sync_hf.py: sync_baseline.py with transformers generate, every core for both phases
 and prints per-step times, speedup = sync step / async step, ideal = (generation + training) / max(generation,
 training) from the sync run, the share of the ideal gain reached, final rewards and win rates, and saves a plot of
 reward against wall-clock time.
@@ -36,7 +36,7 @@ class Args(OverlapArgs):
 CONFIGS = {  # name: (script, extra flags). No EOS penalty: the untrained model never stops before the length cap.
     "async": ("async_dpo.py", ["--missing_eos_penalty", "None"]),
     "sync-vllm": ("sync_baseline.py", ["--missing_eos_penalty", "None"]),
-    "sync-hf": ("sync_baseline.py", ["--missing_eos_penalty", "None", "--generation_backend", "hf"]),
+    "sync-hf": (os.path.join("benchmarks", "sync_hf.py"), ["--missing_eos_penalty", "None"]),
 }
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@
       NCCL when there are two GPUs;
   (c) the weight hand-off to a spawned reader process through the scripts' shared buffer (CUDA IPC on a GPU),
       checking that the reader sees each new version whole, never a mix of two;
+  (e) loading under --fsdp (on the collectives' ranks): the models go to the GPU shard by shard as they load, and
+      the device's peak while they do is printed beside the shards;
   (d) precision parity at step 0 (equal weights): DPO's first loss against ln 2, the reference's log-probs against
       the policy's, and PPO's and RLOO's first ratios with pi_old recomputed and with pi_old from a bfloat16 sampler
       (steps at lr 0 with plain SGD, which holds no state; each algorithm's peak GPU memory printed).
@@ -36,6 +38,8 @@ import torch.multiprocessing as mp
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from types import SimpleNamespace  # noqa: E402
+
 import async_dpo  # noqa: E402
 from plumbing import checkpoint, core  # noqa: E402
 from plumbing.generator_io import Generator, GeneratorError  # noqa: E402
@@ -147,6 +151,10 @@ def print_estimate_table(args: Args) -> None:
           f"{response} tokens, {e['parameters (B)']:.2f} B parameters): "
           f"{fsdp_rank0(e, 'llama-3.1-8b', 7):.1f} GiB on rank 0 under --fsdp over 7 learners (" + ", ".join(
               f"{k} {v:.1f}" for k, v in e.items() if k != "parameters (B)") + " GiB before sharding)")
+    before, after = load_peaks("llama-3.1-8b", 7)
+    print(f"\nLoading it (the load-time peak on rank 0, before the first step): {before:.1f} GiB if every model "
+          f"went whole to the GPU before sharding, beside the buffer; {after:.1f} GiB sharded as they load "
+          f"(core.on_learner), the buffer allocated afterwards")
     gold = parameter_count(model_config("pythia-6.9b"))
     embeddings = 2 * 50304 * PYTHIA["pythia-6.9b"][0] / GIB
     print(f"\nthe 6.9B gold reward model (--gold_reward_model_path) adds {2 * gold / GIB:.1f} GiB in bfloat16 "
@@ -348,9 +356,11 @@ def one_step_args(script, rows: int):
     return run_args
 
 
-def reader_main(buffer: torch.Tensor, table: list, versions, replies) -> None:
-    """(c) The generator's side of the hand-off: on each new version, read the whole buffer the way the generator
-    does (weights_from_buffer) and report the values it saw."""
+def reader_main(table: list, versions, replies) -> None:
+    """(c) The generator's side of the hand-off: the buffer first, by the queue (as the scripts send it), then on
+    each new version, read the whole buffer the way the generator does (weights_from_buffer) and report the values
+    it saw."""
+    buffer = versions.get()["weight_buffer"]
     while (version := versions.get()) is not None:
         seen = torch.cat([w.reshape(-1) for _, w in async_dpo.weights_from_buffer(buffer, table)])
         replies.put((version, seen.min().item(), seen.max().item()))
@@ -365,8 +375,9 @@ def weight_handoff(args: Args, device: torch.device) -> None:
     buffer = async_dpo.make_weight_buffer(table, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     ctx = mp.get_context("spawn")
     versions, replies = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
-    reader = ctx.Process(target=reader_main, args=(buffer, table, versions, replies))
+    reader = ctx.Process(target=reader_main, args=(table, versions, replies))
     reader.start()
+    versions.put(dict(kind="weight_buffer", weight_buffer=buffer))  # (shared memory, or CUDA IPC)
     try:
         for version in range(1, 6):
             with torch.no_grad():
@@ -388,6 +399,51 @@ def weight_handoff(args: Args, device: torch.device) -> None:
     assert reader.exitcode == 0, f"the reader process failed (exit code {reader.exitcode})"
 
 
+def load_peaks(name: str, learners: int) -> tuple[float, float]:
+    """GiB on learner rank 0's GPU while a DPO run's models load under --fsdp over `learners`: the policy and the
+    reference in float32, the reward model (no output embedding) in bfloat16. Moved whole to the device before
+    sharding (the scripts' way until this check was written), beside the bfloat16 weight buffer allocated before
+    them; and sharded as they load (core.on_learner: one piece at most whole on the device at a time, here the
+    float32 output or input embedding; the buffer allocated afterwards, its 2 bytes a parameter then part of the
+    steady state)."""
+    config = model_config(name)
+    params, embedding = parameter_count(config), config.vocab_size * config.hidden_size
+    models = (4 + 4) * params + 2 * (params - embedding)
+    return (models + 2 * params) / GIB, (models / learners + 4 * embedding) / GIB
+
+
+def fsdp_load_peak(device: torch.device, world_size: int) -> None:
+    """(e) Loading under --fsdp as the scripts do: each model built on the CPU, then core.on_learner, which shards it
+    block by block (fully_shard moves each block to the device as it shards it). The device's peak while a policy,
+    a reference (float32) and a reward model (bfloat16) load stays near their shards plus one embedding, where
+    moving each whole first would have held a whole float32 model."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config("pythia-410m" if device.type == "cuda" else "cpu-small")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    sizes = []
+    for dtype in (torch.float32, torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # on the CPU, as from_pretrained loads it
+        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+        core.on_learner(model, SimpleNamespace(fsdp=True), device)
+        assert all(p.device == device and p.placements[0].is_shard() for p in model.parameters()), \
+            "a parameter was left off the learner's device, or whole"
+    if device.type == "cpu" and torch.distributed.get_rank() == 0:
+        print(f"(e) --fsdp load over {world_size} ranks: every parameter sharded on the learner's device (no GPU: no "
+              f"peak to measure)", flush=True)
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(device) - start) / GIB
+        whole = max(sizes) / GIB
+        shards, embedding = sum(sizes) / world_size / GIB, 4 * config.vocab_size * config.hidden_size / GIB
+        print(f"(e) --fsdp load over {world_size} ranks: peak {peak:.2f} GiB on this rank (shards {shards:.2f} GiB "
+              f"+ one float32 embedding {embedding:.2f} GiB; a whole float32 model first: {whole:.2f} GiB more)",
+              flush=True)
+        assert peak <= shards + 2 * embedding + 0.1, "a model was whole on the device before it was sharded"
+
+
 def ready_main(results) -> None:
     """(b) A stand-in for the generator process: it says "ready", as the scripts' does once vLLM is built."""
     results.put(dict(kind="ready"))
@@ -403,19 +459,19 @@ def collectives_worker() -> None:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    generator = Generator(rank, world_size)  # (rank 0: a stand-in generator process, below)
+    generator, ranks = Generator(), SimpleNamespace(rank=rank, world_size=world_size)  # (rank 0's: a stand-in)
     if rank == 0:
         ctx = mp.get_context("spawn")
         requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
         process = ctx.Process(target=ready_main, args=(results,))
         process.start()
-        generator = Generator(0, world_size, process, requests, results, tempfile.mkdtemp())
+        generator = Generator(process, requests, results, tempfile.mkdtemp())
     shares = core.shares_gpu0()  # one GPU, two learners: rank 0 beside the "generator" on GPU 0
     decisions = [None] * world_size
     torch.distributed.all_gather_object(decisions, shares)
     assert len(set(decisions)) == 1, f"the ranks disagree on when to take the generator's ready: {decisions}"
     if shares:
-        assert generator.collect()["kind"] == "ready"
+        assert async_dpo.collect(generator, ranks)["kind"] == "ready"
     sums = core.reduce_sums({"rank": float(rank), "one": 1.0}, world_size)
     assert sums == {"rank": sum(range(world_size)), "one": world_size}, sums
     if not use_cuda or torch.cuda.device_count() >= world_size:  # NCCL needs one GPU per rank
@@ -430,13 +486,14 @@ def collectives_worker() -> None:
         # gloo thread can abort the process at exit, now and then)
         del ddp, model
         gc.collect()
+        fsdp_load_peak(device, world_size)
     else:
         backend = "skipped (NCCL needs a GPU per rank; this machine has one)"
     if not shares:
-        assert generator.collect()["kind"] == "ready"
+        assert async_dpo.collect(generator, ranks)["kind"] == "ready"
     generator.error = GeneratorError("test") if rank == 0 else None  # (as a death noticed while sending)
     try:
-        generator.collect()
+        async_dpo.collect(generator, ranks)
         raise AssertionError("collect did not raise the generator's error on every rank")
     except GeneratorError:
         pass

@@ -4,8 +4,10 @@ weight hand-off, the one-slot queues' schedule, token layout and log-probs, the 
 evaluation and the training loop) stays in each script. The modules, each importing only those
 above it:
 
-    core           flags and paths checked, models and data loaded, devices, learner processes,
-                   collectives and a step's statistics over them, prompt tokens
+    core           common flags and paths checked, models and data loaded, devices, learner processes,
+                   models on the learner (moved, or sharded), collectives and a step's statistics over
+                   them, prompt tokens
+    chat           chat datasets (a `messages` column) formatted by the policy's chat template
     generator_io   the one-slot queues to the generator process, never hanging on it; shutdown
     reward_models  loading a reward model; scoring with a tokenizer of its own (re-tokenising)
     metrics        metrics.jsonl and wandb, the console's evaluations, timings

@@ -21,13 +21,6 @@ from tqdm import tqdm
 from plumbing.core import fail, reduce_max
 from plumbing.metrics import keep_metrics_covered, wandb_run_id
 
-# Flags a resumed run may change: where and how it logs, and the evaluations (they draw no training
-# sample). Any other difference is refused.
-MAY_DIFFER = {"exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model",
-              "verbose", "tiny_dir", "vllm_gpu_memory_utilization", "generator_cores",
-              "gradient_checkpointing", "save_every", "resume_from", "run_name", "rank",
-              "eval_every", "num_eval_prompts", "num_final_eval_prompts", "eval_temperature",
-              "eval_response_length"}
 LOOP = ("round", "version", "buffer_version", "last_eval", "pending_evals")  # the loop's state
 TERM = threading.Event()  # SIGTERM arrived (see launch.run)
 
@@ -42,12 +35,13 @@ def due(args, version: int) -> bool:
     return reduce_max(float(is_due), args.world_size) > 0
 
 
-def save(args, loop: tuple, generator, score: Callable, learner, optimizer, scheduler,
+def save(args, loop: tuple, score_next_evaluation: Callable, learner, optimizer, scheduler,
          weight_buffer, metrics_file, batch_in_flight: bool = True) -> list:
     """{output_dir}/checkpoint of the loop's state (LOOP, in order) at a round's end. The batch in
     flight is not saved: a resumed run requests it again with the weights in the buffer, which the
     checkpoint holds; so are the evaluations queued behind it (their version is the buffer's), while
-    those queued before it, whose weights have left the buffer, are scored first (`score`). Then the
+    those queued before it, whose weights have left the buffer, are scored first (each by one call of
+    `score_next_evaluation`, which collects and scores the generator's next evaluation). Then the
     learner and optimizer (torch.distributed.checkpoint: under FSDP2 each rank writes its shards),
     the scheduler, every rank's RNG states, the flags, the wandb run's id and how much of
     metrics.jsonl is written, beside the last checkpoint, then renamed into place. After SIGTERM,
@@ -55,7 +49,7 @@ def save(args, loop: tuple, generator, score: Callable, learner, optimizer, sche
     *counters, pending = loop
     behind = pending[-1:] if batch_in_flight and pending and pending[-1] == counters[2] else []
     for _ in pending[: len(pending) - len(behind)]:
-        score(generator.collect())
+        score_next_evaluation()
     start, folder = time.time(), os.path.join(args.output_dir, "checkpoint")
     if args.rank == 0:
         shutil.rmtree(folder + ".new", ignore_errors=True)
@@ -154,15 +148,25 @@ def allocate_optimizer_state(optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def check_same_run(args):
-    """Refuse a checkpoint of another run before anything is written; its wandb run's id."""
+def check_same_run(args, may_differ: set):
+    """Refuse a checkpoint of another run before anything is written: any flag not in `may_differ` (the
+    script's own set) that differs, a model compared by what it is (`model_identity`). Returns the wandb run's
+    id."""
     saved = read(args.resume_from)
-    differ = [k for k, v in saved["args"].items()
-              if k not in MAY_DIFFER and getattr(args, k, v) != v]
+    differ = [k for k, v in saved["args"].items() if k not in may_differ
+              and model_identity(getattr(args, k, v)) != model_identity(v)]
     if differ:
         fail(f"--resume_from {args.resume_from}: its run had --{differ[0]} "
              f"{saved['args'][differ[0]]}, this one has {getattr(args, differ[0])}")
     return saved.get("wandb_id")
+
+
+def model_identity(value):
+    """A flag's value as a resume compares it: a model fetched into the Hugging Face cache by its repository and
+    commit (`models--{org}--{name}/snapshots/{commit}`), not by where that cache lies on each machine."""
+    if isinstance(value, str) and "/snapshots/" in value and "models--" in value:
+        return value[value.rindex("models--"):].rstrip("/")
+    return value
 
 
 def checkpoint_folder(path: str) -> str:

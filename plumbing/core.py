@@ -3,7 +3,6 @@ the flag or file), loading models, tokenizers and data, the run's fixed facts, d
 processes, the collectives between learner ranks, and prompt tokens."""
 import math
 import os
-import random
 import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional
@@ -22,17 +21,15 @@ def fail(message: str) -> NoReturn:
 
 
 def check_flags(args, positive: tuple = ("temperature", "eval_temperature")) -> None:
-    """Refuse flags that make no sense, and sizes that do not divide over args.world_size ranks."""
+    """Refuse common flags that make no sense, and sizes that do not divide over args.world_size ranks (a
+    script checks its own flags itself, in its resolve_args)."""
     for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size",
                  "num_epochs", "per_device_train_batch_size", "num_mini_batches",
-                 "num_eval_prompts", "eval_response_length", "generator_cores", *positive):
+                 "num_eval_prompts", "eval_response_length", "generator_cores", "lag_every", *positive):
         if getattr(args, name) <= 0:
             fail(f"--{name} must be positive, got {getattr(args, name)}")
     world_size, per_round = args.world_size, args.batch_size * args.num_mini_batches
     local, per_device = args.batch_size // world_size, args.per_device_train_batch_size
-    hf = getattr(args, "generation_backend", "vllm") == "hf"  # (sync_baseline.py: no generator)
-    rl_coefficients = ("cliprange", "cliprange_value", "kl_coef", "vf_coef")  # (PPO, RLOO)
-    low, cap = getattr(args, "is_cap_low", 0), getattr(args, "is_cap", 1)
     for bad, message in [
         (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast "
          "without a gradient scaler, and small gradients would underflow to 0 silently; use "
@@ -45,22 +42,12 @@ def check_flags(args, positive: tuple = ("temperature", "eval_temperature")) -> 
          "--num_eval_prompts and --num_final_eval_prompts must give every learner a prompt"),
         (args.fsdp and world_size == 1,
          "--fsdp shards over several learner processes: launch with torchrun"),
-        (args.fsdp and hf, "--fsdp works with --generation_backend vllm only"),  # (hf: apart)
         (args.batch_size % world_size,
          f"--batch_size {args.batch_size} must divide over {world_size} processes"),
         (local % per_device, f"--per_device_train_batch_size {per_device} must divide the "
          f"per-process batch ({local} prompts)"),
         (args.total_episodes < per_round, f"--total_episodes {args.total_episodes} is smaller than "
          f"one generation round (--batch_size x --num_mini_batches = {per_round})"),
-        (min(getattr(args, name, 0) for name in rl_coefficients) < 0,
-         "--cliprange, --cliprange_value, --kl_coef and --vf_coef must not be negative"),
-        (not 0 <= getattr(args, "gamma", 0) <= 1 or not 0 <= getattr(args, "lam", 0) <= 1,
-         "--gamma and --lam must lie in [0, 1]"),
-        (getattr(args, "is_correction", "none") != "none" and not args.recompute_old_logprobs,
-         "--is_correction needs --recompute_old_logprobs: without it pi_old is the generator's "
-         "mu, so w = pi_old / mu is 1 and there is nothing to correct"),
-        (not 0 <= low < cap,
-         f"--is_cap_low and --is_cap must satisfy 0 <= low < cap, got {low}, {cap}"),
     ]:
         if bad:
             fail(message)
@@ -116,6 +103,11 @@ def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_res
         if missing:
             fail(f"--dataset {dataset}: {split} split lacks column(s) {sorted(missing)}; "
                  f"found {splits[split].column_names}")
+    learners = int(os.getenv("WORLD_SIZE", "1"))  # each evaluates its share (a collective needs them all)
+    for split in names[1:]:
+        if len(splits[split]) < learners:
+            fail(f"--dataset {dataset}: the {split} split has {len(splits[split])} prompt(s), fewer than "
+                 f"the {learners} learner processes: each evaluates a share of it")
     return tuple(splits[name] for name in names)
 
 
@@ -173,25 +165,36 @@ def train_without_dropout(model: torch.nn.Module, gradient_checkpointing: bool) 
     return model.train()
 
 
-def shard_or_replicate(trained: torch.nn.Module, frozen: list, args, device: torch.device):
-    """What the optimizer trains: `trained` itself, its DDP wrapper, or (--fsdp) `trained` sharded
-    in place by FSDP2 with the frozen models: each transformers model block by block, then each of
-    its top-level pieces on its own (so that a score head can be called directly), then whole."""
-    if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
+def on_learner(model: torch.nn.Module, args, device: torch.device) -> torch.nn.Module:
+    """`model` on this learner's device: moved there, or (--fsdp) sharded over the learners in place by
+    FSDP2, block by block, then each of its top-level pieces on its own (so that a score head can be
+    called directly), then whole. A script calls it on each model as it loads it (on the CPU):
+    fully_shard moves each block to the device as it shards it, so the device never holds a whole
+    model (at 8B, 30 GiB in float32), and the host holds one model at a time."""
+    if not args.fsdp:
+        return model.to(device)
+    from torch.distributed.fsdp import fully_shard
 
-        inner = [trained] if hasattr(trained, "_no_split_modules") else list(trained.children())
-        models = inner + frozen
-        for model in models:
-            for module in model.modules():
-                if type(module).__name__ in (model._no_split_modules or []):
-                    fully_shard(module)
-            for child in model.children():
-                fully_shard(child)
-            fully_shard(model)
-        if trained not in models:  # a module around them (PPO's policy and value model)
+    for module in model.modules():
+        if type(module).__name__ in (model._no_split_modules or []):
+            fully_shard(module)
+    for child in model.children():
+        fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+def shard_or_replicate(trained: torch.nn.Module, args, device: torch.device) -> torch.nn.Module:
+    """What the optimizer trains, its models already on the learner (on_learner): `trained` itself, its
+    DDP wrapper under torchrun, or (--fsdp) `trained`, sharded as a whole too if it is a module around
+    sharded ones (PPO's policy and value model)."""
+    if args.fsdp:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not isinstance(trained, FSDPModule):
             fully_shard(trained)
-    elif args.world_size > 1:
+        return trained
+    if args.world_size > 1:
         return torch.nn.parallel.DistributedDataParallel(
             trained, device_ids=[device] if device.type == "cuda" else None,
             gradient_as_bucket_view=True)
@@ -216,29 +219,20 @@ def shares_gpu0(gpus: Optional[int] = None, learners: Optional[int] = None,
     """Whether learner rank 0 shares GPU 0 with vLLM: a one-node run whose node has GPUs but none
     spare per learner (of `gpus` and `learners` on the node, of `nodes`; default: this machine's
     and torchrun's). Every rank answers the same, so that all take the generator's "ready" message
-    at the same point; across nodes, node 0 must leave GPU 0 to vLLM (learner_device says so)."""
+    at the same point; across nodes, node 0 must leave GPU 0 to vLLM (the scripts' placement rule)."""
     gpus = torch.cuda.device_count() if gpus is None else gpus
     learners = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if learners is None else learners
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1)) if nodes is None else nodes
     return nodes == 1 and 0 < gpus <= learners
 
 
-def learner_gpu(local_rank: int, gpus: Optional[int] = None, learners: Optional[int] = None,
-                node: Optional[int] = None, nodes: Optional[int] = None) -> int:
-    """vLLM owns GPU 0 of node 0 (torchrun's GROUP_RANK 0, where rank 0 runs): there learner i
-    uses GPU i+1 (GPU i when none is spare on a one-node run: rank 0 then shares GPU 0 with vLLM).
-    Other nodes have no generator: there learner i uses GPU i, GPU 0 included."""
-    node = int(os.environ.get("GROUP_RANK", 0)) if node is None else node
-    return local_rank if node > 0 or shares_gpu0(gpus, learners, nodes) else local_rank + 1
-
-
-def learner_device(world_size: int, generator_cores: int) -> tuple:
-    """This learner's device (and process group, under torchrun); on CPU the generator gets cores
-    of its own (the last ones). Returns the device and the generator's cores."""
+def learner_device(world_size: int, gpu: int, generator_cores: int) -> tuple:
+    """This learner's device, GPU `gpu` of its node if there are GPUs (and its process group, under
+    torchrun); on CPU the generator gets cores of its own (the last ones). Returns the device and the
+    generator's cores."""
     if world_size > 1:
         init_learner_group(torch.cuda.is_available())
     if torch.cuda.is_available():
-        gpu = learner_gpu(int(os.environ.get("LOCAL_RANK", 0)))
         if gpu >= torch.cuda.device_count():
             fail(f"learner rank {os.environ.get('RANK', 0)} needs GPU {gpu} of its node, which has "
                  f"{torch.cuda.device_count()}: on the generator's node (node 0) launch at most one learner "
@@ -258,20 +252,6 @@ def init_learner_group(use_cuda: bool) -> None:
     # A backend per device: DDP/FSDP reduce GPU tensors over NCCL, while the collectives below carry
     # CPU tensors, which NCCL cannot ("cpu:gloo,cuda:nccl")
     dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def prompt_rounds(num_prompts: int, args) -> np.ndarray:
-    """[num_rounds, prompts per round] indices of the training prompts: a fresh shuffle per pass."""
-    prompts_per_round = args.batch_size * args.num_mini_batches
-    passes = -(-args.num_rounds * prompts_per_round // num_prompts)
-    order = np.concatenate([np.random.permutation(num_prompts) for _ in range(passes)])
-    return order[: args.num_rounds * prompts_per_round].reshape(args.num_rounds, prompts_per_round)
 
 
 def sampling_seed(seed: int, kind: str, index: int) -> int:
@@ -392,7 +372,8 @@ def offpolicy_stats(log_ratio: torch.Tensor, token_mask: torch.Tensor, weights: 
         maxima={"offpolicy/mismatch_max": mismatch.max().item(),
                 "is/weight_max": weights.max().item(), "is/weight_min": -weights.min().item()})
     stats["is/weight_min"] *= -1
-    stats["is/ess_fraction"] = stats["is/weight_mean"] ** 2 / stats.pop("is/weight_square")
+    square = stats.pop("is/weight_square")  # (0 only if every weight is 0: no effective sample)
+    stats["is/ess_fraction"] = stats["is/weight_mean"] ** 2 / square if square > 0 else 0.0
     return stats
 
 

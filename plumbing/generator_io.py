@@ -1,6 +1,6 @@
-"""The learner's side of the one-slot queues to the generator process, which never hang on a dead
-generator and tell every learner rank its error, the generator process's own set-up, and shutdown
-with anything queued."""
+"""The learner's side of the one-slot queues to the generator process (rank 0's), which never hang on
+a dead generator, the generator process's own set-up, and shutdown with anything queued. What is
+requested when, and the broadcast of each result to the other ranks, are in the scripts."""
 import contextlib
 import os
 import queue
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 
 class GeneratorError(RuntimeError):
@@ -19,44 +18,14 @@ class GeneratorError(RuntimeError):
 
 @dataclass
 class Generator:
-    """The generator process and the one-slot queues to and from it, as a learner rank sees them:
-    rank 0 sends the requests and receives the results; collect() shares each result, or the
-    generator's error, with the other ranks, which hold no process (Generator(rank, world_size)) and
-    take it at the same point of the loop."""
-    rank: int
-    world_size: int
+    """The generator process and the one-slot queues to and from it, held by learner rank 0 (the other
+    ranks hold an empty one: rank 0 broadcasts to them what it receives, in each script's `collect`)."""
     process: object = None
     requests: object = None
     results: object = None
     tmp_dir: Optional[str] = None  # the generator's temporary files, removed at the end
     log_path: Optional[str] = None  # vLLM's log (None: --verbose, the console)
-    error: Optional[GeneratorError] = None  # its death, noticed while sending (told at collect)
-
-    def submit(self, request: dict) -> None:
-        """Send a request (rank 0; the other ranks have nothing to send). A dead generator noticed
-        here is told at the next collect, which every rank passes: only rank 0 is here."""
-        if self.rank == 0 and self.error is None:
-            try:
-                send(self.requests, request, self.process)
-            except GeneratorError as error:
-                self.error = error
-
-    def collect(self) -> dict:
-        """The generator's next message, on every rank (rank 0 receives it, then shares it), or its
-        error raised on every rank."""
-        message = None
-        if self.rank == 0:
-            try:
-                message = self.error or receive(self.results, self.process)
-            except GeneratorError as error:
-                message = error
-        if self.world_size > 1:
-            box = [message]
-            dist.broadcast_object_list(box, src=0)
-            message = box[0]
-        if isinstance(message, BaseException):
-            raise message if self.rank == 0 else GeneratorError(f"rank 0 stopped: {message}")
-        return message
+    error: Optional[GeneratorError] = None  # its death, noticed while sending (told at the next receive)
 
     def stop(self) -> None:
         """Stop the generator, and exit whatever is queued: a queue's feeder thread blocks while the
@@ -77,7 +46,34 @@ class Generator:
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
-def send(requests, request: dict, process) -> None:
+def send(generator: Generator, request: dict) -> None:
+    """Rank 0 puts a request on the one-slot queue, never hanging on a dead generator. A death noticed
+    here is kept for the next `receive`, which every rank passes (only rank 0 is here)."""
+    if generator.error is None:
+        try:
+            put(generator.requests, request, generator.process)
+        except GeneratorError as error:
+            generator.error = error
+
+
+def receive(generator: Generator):
+    """Rank 0 takes the generator's next message, never hanging on a dead generator; its error (or
+    death) comes back as a GeneratorError, for the caller to share with the other ranks first."""
+    try:
+        return generator.error or get(generator.results, generator.process)
+    except GeneratorError as error:
+        return error
+
+
+def raise_error(message, rank: int) -> dict:
+    """The message, unless it is the generator's error: that is raised (on the other ranks, saying
+    that rank 0 stopped)."""
+    if isinstance(message, BaseException):
+        raise message if rank == 0 else GeneratorError(f"rank 0 stopped: {message}")
+    return message
+
+
+def put(requests, request: dict, process) -> None:
     """Put on the one-slot request queue, without hanging if the generator has died."""
     while True:
         try:
@@ -88,7 +84,7 @@ def send(requests, request: dict, process) -> None:
                                      f"(exit code {process.exitcode})")
 
 
-def receive(results, process) -> dict:
+def get(results, process) -> dict:
     """Take from the result queue, without hanging on a dead generator; re-raise its error."""
     while True:
         try:

@@ -1,5 +1,5 @@
 """Running a script: its flags parsed (`--model tiny` with its own defaults), the run started
-(devices, learner processes, seeds, the metrics sink), and a clean exit on every path: what main()
+(its name agreed by the learner processes, the metrics sink), and a clean exit on every path: what main()
 puts on `cleanup` is undone, a failed generator (exit 1) or Ctrl-C (130) told in one line, SIGTERM
 saving a checkpoint (--save_every)."""
 import contextlib
@@ -68,17 +68,20 @@ def on_sigterm(save_every: int, *_) -> None:
         sys.exit(128 + signal.SIGTERM)
 
 
-def start_run(args, cleanup: contextlib.ExitStack) -> tuple:
-    """This learner's device (and process group), the seeds, and the metrics sink (a resumed run's,
-    once its checkpoint is found to be of this run). Returns the device, the generator's cores (CPU)
-    and metrics.jsonl (rank 0; None elsewhere)."""
-    device, generator_cores = core.learner_device(args.world_size, args.generator_cores)
-    core.seed_everything(args.seed)
-    wandb_id = checkpoint.check_same_run(args) if args.resume_from else None
+def start_run(args, cleanup: contextlib.ExitStack, may_differ: set):
+    """The run's name and folder, rank 0's on every rank (their clocks may straddle a second), and its metrics
+    sink (a resumed run's, once its checkpoint is found to be of this run: flags outside `may_differ` equal).
+    Call it once the learner's process group is up (core.learner_device). Returns metrics.jsonl (rank 0; None
+    elsewhere)."""
+    if args.world_size > 1:
+        box = [(args.run_name, args.output_dir)]
+        dist.broadcast_object_list(box, src=0)
+        args.run_name, args.output_dir = box[0]
+    wandb_id = checkpoint.check_same_run(args, may_differ) if args.resume_from else None
     metrics_file = metrics.open_metrics(args, wandb_id)
     cleanup.callback(metrics.close_metrics, metrics_file, args.track)
     if args.rank == 0:
         print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds "
               f"of {args.batch_size * args.num_mini_batches} prompts x {args.num_samples} samples; "
               f"metrics in {args.output_dir}/metrics.jsonl", flush=True)
-    return device, generator_cores, metrics_file
+    return metrics_file

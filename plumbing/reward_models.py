@@ -10,8 +10,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from plumbing.core import bos_prefix, fail, tokenize_prompts
 
 
-def load_reward_models(args, tokenizer, splits: tuple, dtype: torch.dtype, device) -> dict:
-    """The proxy (and gold) reward models, each with `retokenize`: None when it reads the policy's
+def load_reward_models(args, tokenizer, splits: tuple, dtype: torch.dtype) -> dict:
+    """The proxy (and gold) reward models, on the CPU (core.on_learner puts them on the learner's device,
+    or shards them there), each with `retokenize`: None when it reads the policy's
     token ids as they are, else the function that turns them into its own (reward_tokenizer, which
     tries the first training prompts). With --reward_chat_template and a chat dataset, the turns of
     each prompt (of every split: its ids as the scripts tokenise them) for the reward model's own
@@ -23,7 +24,7 @@ def load_reward_models(args, tokenizer, splits: tuple, dtype: torch.dtype, devic
     for name, flag in (("proxy", "reward_model_path"), ("gold", "gold_reward_model_path")):
         if getattr(args, flag):
             path = getattr(args, flag)
-            models[name] = model = load_reward_model(flag, path, dtype, device)
+            models[name] = model = load_reward_model(flag, path, dtype, torch.device("cpu"))
             model.retokenize = reward_tokenizer(flag, path, model, tokenizer, probe_texts,
                                                 args.reward_chat_template, args.rank, chats)
     return models

@@ -73,3 +73,19 @@ def test_dataset_without_expected_columns_names_what_it_found(tiny_dir, tmp_path
 def test_unknown_preset_is_rejected_by_the_parser(tmp_path):
     result = run_script("--model", "pythia-7b", timeout=120)
     assert result.returncode != 0 and "--model" in result.stderr
+
+
+def test_an_evaluation_split_smaller_than_the_learners_is_refused_on_every_rank(tiny_dir, tmp_path):
+    """Two learner ranks and a validation split of one prompt: rank 1 would evaluate none, and crash (or hang its
+    partner in the padding collective). Both stop at once with an error naming the split, before vLLM starts."""
+    from conftest import TORCHRUN_2
+
+    row = {"query": "SUBREDDIT: r/cats\n\nTITLE: t\n\nPOST: p\n\nTL;DR:", "reference_response": " cats<|endoftext|>"}
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text((json.dumps(row) + "\n") * 2)
+    (tmp_path / "data" / "validation.jsonl").write_text(json.dumps(row) + "\n")
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path / "run"),
+                        "--dataset", str(tmp_path / "data"), launcher=TORCHRUN_2, timeout=300)
+    # (torchrun prints a traceback of its own when a rank fails; none passes through the script)
+    assert result.returncode != 0 and 'async_dpo.py", line' not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("the validation split has 1 prompt(s), fewer than the 2 learner processes") == 2

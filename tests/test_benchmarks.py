@@ -70,7 +70,8 @@ def test_gpu_check_runs_on_the_cpu():
     result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     for check in ("(a) step 1", "(b) the generator's ready taken by every rank", "its error raised on every rank",
-                  "reduce_sums over gloo: ok", "(c) version 5", "all checks passed"):
+                  "reduce_sums over gloo: ok", "(c) version 5", "all checks passed",
+                  "(e) --fsdp load over 2 ranks: every parameter sharded"):
         assert check in result.stdout, result.stdout
 
 
@@ -82,6 +83,10 @@ def test_gpu_check_prints_the_memory_table():
     # PPO trains a value model too: each preset needs more than under DPO
     totals = [float(row.split("**")[1].split()[0]) for row in rows]
     assert all(ppo > dpo for dpo, ppo in zip(totals[:3], totals[3:]))
+    # the 8B preset's load-time peak on rank 0: every model whole on the GPU first, beside the buffer (the scripts'
+    # way before), against sharded as they load
+    assert "88.8 GiB if every model went whole to the GPU before sharding" in result.stdout
+    assert "12.5 GiB sharded as they load" in result.stdout
 
 
 def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
@@ -165,6 +170,14 @@ def test_reward_tokenizer_cost_prints_both_paths(tiny_dir):
                         script=os.path.join("benchmarks", "reward_tokenizer_cost.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "direct (the policy's ids)" in result.stdout and "re-tokenised / direct:" in result.stdout, result.stdout
+
+
+def test_lag_cost_prints_the_tiny_policys_measurement(tiny_dir):
+    """benchmarks/lag_cost.py --quick: what measuring lag/update costs on the tiny world's policy."""
+    result = run_script("--quick", "--tiny_dir", tiny_dir, script=os.path.join("benchmarks", "lag_cost.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| tiny policy |"))
+    assert float(row.split(" | ")[4].split()[0]) > 0
 
 
 def test_sampling_seeds_cost_prints_both_requests(tiny_dir):

@@ -35,16 +35,17 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     engine = dict(model=sft, dtype="float32", seed=1, enforce_eager=True, max_model_len=320,
                   kv_cache_memory_bytes=2**25)
     generator = ctx.Process(target=async_dpo.generator_main,
-                            args=(engine, buffer, table, tokenizer.eos_token_id, requests, results, None,
+                            args=(engine, table, tokenizer.eos_token_id, requests, results, None,
                                   tempfile.mkdtemp(), None))
     generator.start()
     try:
-        assert generator_io.receive(results, generator)["kind"] == "ready"
+        assert generator_io.get(results, generator)["kind"] == "ready"
+        generator_io.put(requests, dict(kind="weight_buffer", weight_buffer=buffer), generator)  # (by the queue)
 
         def generate(version: int) -> dict:
-            generator_io.send(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
-                                          temperature=0.0, max_tokens=12, seed=version), generator)
-            return generator_io.receive(results, generator)
+            generator_io.put(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
+                                         temperature=0.0, max_tokens=12, seed=version), generator)
+            return generator_io.get(results, generator)
 
         def cut(tokens: list) -> list:  # HF keeps generating pads after EOS; vLLM stops
             return tokens[: tokens.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in tokens else tokens

@@ -1,4 +1,5 @@
 """async_ppo.py: the PPO pieces by hand and against independent forms, then end to end with real vLLM on CPU."""
+import math
 import os
 
 import pytest
@@ -197,6 +198,18 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
     for key in ("reward/mean", "loss/policy", "loss/value", "objective/kl", "policy/ratio_max"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3), key
     assert [r["eval/gold_win_rate"] for r in evals] == [r["eval/gold_win_rate"] for r in single_evals]
+
+
+def test_the_lag_update_is_the_policys_step_alone(tiny_dir, tmp_path):
+    """lag/update, how far a step moved the policy: one step, the saved policy against the SFT weights it started
+    from. The value model, trained beside it under one optimizer, is not part of it (it used to be: the relative
+    update of both models together, which says nothing about the policy's lag)."""
+    steps, _ = run_ppo(tiny_dir, tmp_path / "run", "--total_episodes", "32", "--eval_every", "0",
+                       "--num_final_eval_prompts", "8", "--save_model")
+    before = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft")).parameters()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model").parameters()
+    delta, norm = zip(*[((a - b).double().norm() ** 2, b.double().norm() ** 2) for a, b in zip(after, before)])
+    assert len(steps) == 1 and steps[0]["lag/update"] == pytest.approx(math.sqrt(sum(delta) / sum(norm)), rel=1e-4)
 
 
 def test_value_model_needs_a_reward_model_checkpoint(tiny_dir, tmp_path):

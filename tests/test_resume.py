@@ -187,7 +187,7 @@ def test_sigterm_during_a_save_lets_it_finish_then_exits(tiny_dir, tmp_path):
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.raises(SystemExit) as stopped:
-            checkpoint.save(args, loop, None, None, policy, optimizer, scheduler, torch.zeros(3), metrics)
+            checkpoint.save(args, loop, None, policy, optimizer, scheduler, torch.zeros(3), metrics)
     finally:
         signal.signal(signal.SIGTERM, old_handler)
         checkpoint.TERM.clear()

@@ -159,6 +159,31 @@ def test_importance_weights_stay_finite_and_their_statistics_count_the_loss_term
     assert stats["is/weight_mean"] == pytest.approx(w.mean().item())
 
 
+@pytest.mark.parametrize("script", ["async_rloo", "async_ppo"])
+def test_importance_statistics_stay_finite_when_every_weight_underflows(script):
+    """Every completion far less likely under pi_old than under the sampler (log w = -300 over three tokens): the
+    weights, capped at 1e-30 from below as at 1e30 from above, never underflow to 0, so the effective sample size
+    (sum w)^2 / (n sum w^2) does not divide by zero (it used to raise ZeroDivisionError and stop the run); equal
+    weights at the floor have a full effective sample, and truncation leaves them as they are."""
+    module = async_rloo if script == "async_rloo" else async_ppo
+    mask = torch.ones(2, 3)
+    generator = torch.full((2, 3), -1.0)
+    episodes = dict(scores=torch.zeros(2), generator_logprobs=generator, response_mask=mask)
+    args = module.Args(is_level="token" if script == "async_rloo" else "sequence", is_correction="truncate",
+                       recompute_old_logprobs=True)
+    if script == "async_rloo":
+        module.add_advantages(episodes, torch.zeros(2), generator - 100.0, args)
+        log_ratio, weights, changed = episodes["log_ratio"], episodes["is_weights"], episodes["is_changed"]
+    else:
+        module.add_advantages(episodes, torch.zeros(2, 3), generator - 100.0, torch.zeros(2, 3), args)
+        terms = episodes["is_terms"]
+        log_ratio, weights, changed = (episodes["learner_log_ratio"], episodes["is_weights"][terms],
+                                       episodes["is_changed"][terms])
+    assert (weights > 0).all()
+    stats = core.offpolicy_stats(log_ratio, mask, weights, changed, 1)
+    assert all(math.isfinite(v) for v in stats.values()) and stats["is/ess_fraction"] == pytest.approx(1.0)
+
+
 def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):
     """The paper code's pi_old: the ratio is 1 at every step although the batch was sampled a step behind. With the
     sampler's truncated importance weight w = pi_old / mu on top: w is 1 at step 1 (same weights, float32 on both

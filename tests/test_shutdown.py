@@ -17,7 +17,7 @@ from test_failures import assert_all_gone, generator_of
 PENDING_REQUEST = r"""
 import multiprocessing as mp, sys, tempfile, time
 sys.path.insert(0, sys.argv[1])
-from plumbing.generator_io import Generator, send
+from plumbing.generator_io import Generator, put
 
 def busy_generator(requests) -> None:
     time.sleep(600)
@@ -27,10 +27,10 @@ if __name__ == "__main__":
     requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     generator = ctx.Process(target=busy_generator, args=(requests,))
     generator.start()
-    send(requests, dict(kind="eval", prompts=[[i % 1000] * 500 for i in range(512)]), generator)  # ~1 MB pickled
+    put(requests, dict(kind="eval", prompts=[[i % 1000] * 500 for i in range(512)]), generator)  # ~1 MB pickled
     time.sleep(1)
     generator.kill()
-    Generator(0, 1, generator, requests, results, tempfile.mkdtemp()).stop()
+    Generator(generator, requests, results, tempfile.mkdtemp()).stop()
     print("stopped", flush=True)
 """
 

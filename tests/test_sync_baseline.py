@@ -1,14 +1,15 @@
-"""sync_baseline.py end to end with both generation backends (real vLLM on CPU, and transformers generate)."""
-import pytest
-from conftest import run_script
+"""sync_baseline.py end to end (real vLLM on CPU), and with transformers' generate (benchmarks/sync_hf.py)."""
+import json
+import os
+
+from conftest import TORCHRUN_2, run_script
 from test_end_to_end import EVAL_METRICS, STEP_METRICS, assert_win_rate_rises, read_metrics
 
 
-@pytest.mark.parametrize("backend", ["vllm", "hf"])
-def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path, backend):
+def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), "--generation_backend",
-                        backend, "--total_episodes", "640", "--eval_every", "10", script="sync_baseline.py")
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), "--total_episodes", "640",
+                        "--eval_every", "10", script="sync_baseline.py")
     assert result.returncode == 0, result.stderr[-3000:]
     steps, evals = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0] * 20  # generated with the very weights being trained
@@ -19,15 +20,31 @@ def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path, backend):
     assert_win_rate_rises(evals[0], evals[-1], "gold")
     assert_win_rate_rises(evals[0], evals[-1], "proxy")
     assert evals[-1]["eval/proxy_reward"] > evals[0]["eval/proxy_reward"]
-    if backend == "vllm":  # the learner really waits for generation: nothing overlaps. (Except where it scores an
-        # evaluation, two steps after one is requested, while the generator samples the next batch)
-        after_eval = {r["step"] + 2 for r in evals}
-        assert all(r["time/learner_wait"] >= 0.8 * r["time/generation"]
-                   for r in steps[1:] if r["step"] not in after_eval)
-        # on-policy to the last bit: vLLM's log-probs of the pairs match the learner's at every step
-        assert all(abs(r["logps/generator_gap"]) < 1e-4 and r["lag/kl"] < 1e-8 for r in steps)
-    else:
-        assert all("logps/generator_gap" not in r and "lag/kl" not in r for r in steps)
+    # the learner really waits for generation: nothing overlaps. (Except where it scores an evaluation, two steps
+    # after one is requested, while the generator samples the next batch)
+    after_eval = {r["step"] + 2 for r in evals}
+    assert all(r["time/learner_wait"] >= 0.8 * r["time/generation"] for r in steps[1:] if r["step"] not in after_eval)
+    # on-policy to the last bit: vLLM's log-probs of the pairs match the learner's at every step
+    assert all(abs(r["logps/generator_gap"]) < 1e-4 and r["lag/kl"] < 1e-8 for r in steps)
+
+
+def test_transformers_generation_under_torchrun_learns_and_saves_every_final_completion(tiny_dir, tmp_path):
+    """benchmarks/sync_hf.py (sync_baseline.py with transformers' generate in the generator process, the paper's "why
+    vLLM" comparison) on two learner ranks: on-policy at every step, its log-probs the learner's, learning, and the
+    final evaluation's completions saved whole, every rank's prompts included (the backend used to sample each
+    rank's share on that rank, and rank 0 crashed saving the others' completions as None)."""
+    out = tmp_path / "run"
+    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), "--total_episodes", "640",
+                        "--eval_every", "10", "--num_final_eval_prompts", "130",
+                        script=os.path.join("benchmarks", "sync_hf.py"), launcher=TORCHRUN_2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps, evals = read_metrics(str(out))
+    assert [r["staleness"] for r in steps] == [0] * 20 and [r["step"] for r in evals] == [0, 10, 20]
+    assert all(abs(r["logps/generator_gap"]) < 1e-3 for r in steps)  # (transformers' sampler: float32 as well)
+    assert_win_rate_rises(evals[0], evals[-1], "gold")
+    completions = [json.loads(line) for line in open(out / "final_completions.jsonl")]
+    assert len(completions) == 130 and all(isinstance(c["response"], str) and c["response_tokens"] > 0
+                                           for c in completions)
 
 
 def test_sync_baseline_num_mini_batches_staleness(tiny_dir, tmp_path):

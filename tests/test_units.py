@@ -269,10 +269,13 @@ def _step_with_sgd(update, policy, mini_batch: dict, args) -> tuple[list, dict]:
     return [old - p.detach() for old, p in zip(before, policy.parameters())], stats
 
 
-def test_best_of_k_sft_step_follows_the_best_completions_negative_log_likelihood(tiny_dir):
-    """--loss best_of_k_sft: one step's gradient is that of the mean over prompts of -log pi(best completion),
-    worked by hand from the model, the rejected completions playing no part and a prompt whose K completions tie
-    (no DPO pair) counting like any other; the DPO step on the same batch differs."""
+def test_best_of_k_sft_trains_on_the_best_completions_of_prompts_that_do_not_tie(tiny_dir):
+    """--loss best_of_k_sft: one step's gradient is that of the mean, over the prompts whose K completions do not
+    all tie, of -log pi(best completion), worked by hand from the model. A tied prompt (here the second: as when no
+    completion ended and all took the missing-EOS penalty) has no best completion and takes no part (it used to
+    count like any other, fine-tuning on a truncated completion), and the step reads the chosen completions alone
+    (it used to run the rejected ones' forward and backward for nothing). The tie fraction is logged; the DPO step
+    on the same batch differs and reads both completions."""
     import async_dpo
 
     prompts, chosen, rejected = [[5, 6, 7], [8, 9]], [[10, 11, EOS], [12]], [[13, 14], [12]]
@@ -283,17 +286,20 @@ def test_best_of_k_sft_step_follows_the_best_completions_negative_log_likelihood
                       ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
     sft = os.path.join(tiny_dir, "sft")
     by_hand = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
-    inputs, mask = collate(prompts, chosen, PAD, CPU)
+    inputs, mask = collate(prompts[:1], chosen[:1], PAD, CPU)
     logps = token_logprobs(response_logits(by_hand, inputs, mask.shape[1]), inputs["input_ids"], mask, 0.7).sum(1)
     (-logps.mean()).backward()
-    steps = {}
+    steps, rows_read = {}, {}
     for loss in ("best_of_k_sft", "dpo"):
         policy = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
+        policy.register_forward_pre_hook(lambda _, a, kw, loss=loss: rows_read.update(
+            {loss: len(kw["input_ids"])}), with_kwargs=True)
         args = _one_sgd_step_args(async_dpo, 2, loss=loss, temperature=0.7)
         steps[loss], stats = _step_with_sgd(async_dpo.dpo_update, policy, mini_batch, args)
-        assert f"loss/{loss}" in stats and stats["lag/update"] > 0
+        assert f"loss/{loss}" in stats and stats["pairs/tie_fraction"] == 0.5
     for moved, param in zip(steps["best_of_k_sft"], by_hand.parameters()):
         torch.testing.assert_close(moved, param.grad, atol=1e-6, rtol=1e-4)
+    assert rows_read == {"best_of_k_sft": 2, "dpo": 4}
     assert not all(torch.allclose(a, b) for a, b in zip(steps["best_of_k_sft"], steps["dpo"]))
 
 
@@ -356,3 +362,19 @@ def test_the_chatbot_preset_has_table_7s_defaults_and_flags_override_them(monkey
         assert args.sft_model_revision.startswith("costa_finetune_tulu3_8b_norobot__meta-llama_Meta-Llama-3.1-8B")
         assert args.reward_model_revision == "reward_modeling__1__1725760619" and args.batch_size % 7 == 0
         assert script.PRESETS[args.model][2] == "HuggingFaceH4/no_robots"
+
+
+def test_a_resume_compares_hub_models_by_repository_and_commit_not_by_cache_path(tmp_path, capsys):
+    """A model fetched with a revision is read from the Hugging Face cache, whose path differs between machines (and
+    users): a checkpoint written on one resumes on another with the same repository and commit (it used to be
+    refused, naming --sft_model_path), and is still refused at another commit."""
+    snapshot = "hub/models--allenai--open_instruct_dev/snapshots/0123abcd"
+    saved = Args(model="pythia-410m", sft_model_path=f"/home/alice/.cache/huggingface/{snapshot}")
+    os.makedirs(tmp_path / "checkpoint")
+    torch.save(dict(args=vars(saved), wandb_id=None), tmp_path / "checkpoint" / "state.pt")
+    here = Args(model="pythia-410m", resume_from=str(tmp_path), sft_model_path=f"/scratch/hf/{snapshot}/")
+    checkpoint.check_same_run(here, {"resume_from"})
+    here.sft_model_path = here.sft_model_path.replace("0123abcd", "4567ef01")
+    with pytest.raises(SystemExit):
+        checkpoint.check_same_run(here, {"resume_from"})
+    assert "its run had --sft_model_path /home/alice/.cache" in capsys.readouterr().err

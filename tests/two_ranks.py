@@ -1,6 +1,7 @@
 """Programs that two torchrun learner ranks run, for tests of what the ranks must agree on (test_failures.py,
 test_resume.py): `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/two_ranks.py PROGRAM DIR`.
 Each prints what each rank did; the tests read it."""
+import contextlib
 import os
 import sys
 import tempfile
@@ -11,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from async_dpo import collect, submit  # noqa: E402
 from plumbing import checkpoint, core, launch  # noqa: E402
 from plumbing.generator_io import Generator  # noqa: E402
 
@@ -30,7 +32,7 @@ def sigterm_during_a_save(folder: str) -> None:
         checkpoint.TERM.set()  # (as the scripts' SIGTERM handler does)
     loop = (1, 1, 0, 0, [])  # round, version, buffer version, last evaluation, pending evaluations
     try:
-        checkpoint.save(args, loop, None, None, model, optimizer, scheduler, torch.zeros(3), metrics)
+        checkpoint.save(args, loop, None, model, optimizer, scheduler, torch.zeros(3), metrics)
         print(f"rank {rank} went on after the save", flush=True)
     except SystemExit as stop:
         print(f"rank {rank} stopped with exit code {stop.code}", flush=True)
@@ -57,7 +59,7 @@ def generator_dies_during_a_request(folder: str) -> None:
 
     def main(args: RunArgs, cleanup) -> None:
         core.init_learner_group(use_cuda=False)
-        generator = Generator(args.rank, args.world_size)
+        generator = Generator()
         if args.rank == 0:
             ctx = mp.get_context("spawn")
             process = ctx.Process(target=exits_at_once)
@@ -65,12 +67,12 @@ def generator_dies_during_a_request(folder: str) -> None:
             process.join()
             requests, results = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
             requests.put({"kind": "train"})  # a request nobody will take: the slot stays full
-            generator = Generator(0, args.world_size, process, requests, results, tempfile.mkdtemp())
+            generator = Generator(process, requests, results, tempfile.mkdtemp())
             cleanup.callback(generator.stop)
-        generator.submit({"kind": "eval"})  # rank 0 notices the death here; rank 1 has nothing to send
+        submit(generator, {"kind": "eval"})  # rank 0 notices the death here; rank 1 has nothing to send
         print(f"rank {args.rank} sent its request", flush=True)
         core.reduce_sums({"loss": 1.0}, args.world_size)  # a training step's reduction, on every rank
-        generator.collect()
+        collect(generator, args)
         print(f"rank {args.rank} went on without the generator", flush=True)
 
     start = time.time()
@@ -80,8 +82,25 @@ def generator_dies_during_a_request(folder: str) -> None:
         print(f"rank {os.environ['RANK']} exited after {time.time() - start:.1f} s", flush=True)
 
 
+def one_run_name(folder: str) -> None:
+    """Each rank resolves the flags on its own clock, rank 1 a second after rank 0 (ranks that straddle a second),
+    then starts the run: both must log to rank 0's folder, where a checkpoint's shards meet."""
+    from async_dpo import MAY_DIFFER_ON_RESUME, Args, resolve_args
+
+    os.chdir(folder)  # the default --output_dir is runs/{run_name}, relative
+    if os.environ["RANK"] == "1":
+        time.sleep(1.1)
+    args = resolve_args(Args(model="pythia-410m"))  # (a preset: resolving it downloads nothing)
+    print(f"rank {args.rank} resolved {args.output_dir}", flush=True)
+    core.init_learner_group(use_cuda=False)
+    with contextlib.ExitStack() as cleanup:
+        launch.start_run(args, cleanup, MAY_DIFFER_ON_RESUME)
+    print(f"rank {args.rank} logs to {args.output_dir}", flush=True)
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     program, folder = sys.argv[1], sys.argv[2]
     sys.argv = sys.argv[:1]
     {"sigterm_during_a_save": sigterm_during_a_save,
-     "generator_dies_during_a_request": generator_dies_during_a_request}[program](folder)
+     "generator_dies_during_a_request": generator_dies_during_a_request, "one_run_name": one_run_name}[program](folder)
