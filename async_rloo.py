@@ -99,8 +99,8 @@ class Args:
     """gold reward model, only for evaluation; `tiny` has its own"""
     reward_chat_template: bool = False
     """give the reward models prompt and completion as a chat in their tokenizer's chat template"""
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
-    """where `--model tiny` builds (once) and caches its toy models, tokenizer and dataset"""
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
+    """the toy world `--model tiny` runs on: the one in worlds/ (tiny_world.py builds others)"""
 
     # Algorithm specific arguments (paper defaults for TL;DR)
     learning_rate: float = 3e-6
@@ -191,6 +191,8 @@ class Args:
     """generation rounds, each of num_mini_batches x batch_size prompts x num_samples completions"""
     num_steps: int = 0
     """optimizer steps in total"""
+    world_hash: str = ""
+    """the tiny world's hash (SHA-256 of its SHA256SUMS), printed at the start and logged; empty for hub models"""
 
 
 def resolve_args(args: Args) -> Args:
@@ -223,8 +225,10 @@ def resolve_args(args: Args) -> Args:
                            else os.path.join("runs", args.run_name))
     if args.model != "tiny" and args.model not in PRESETS:  # (a new --model value needs its preset)
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
-    sft, reward, data, gold = (tiny_world.build_tldr(args.tiny_dir) if args.model == "tiny"
-                               else (*PRESETS[args.model], None))  # (tiny: built once, then cached)
+    if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
+        sft, reward, data, gold, args.world_hash = tiny_world.tldr_world(args.tiny_dir)
+    else:
+        (sft, reward, data), gold = PRESETS[args.model], None
     args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
     args.reward_model_path = args.reward_model_path or reward
     # A hub revision (--sft_model_revision, the preset's) is fetched once: every loader reads its folder

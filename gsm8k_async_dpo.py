@@ -85,8 +85,8 @@ class Args:
     preset's)"""
     dataset_config: Optional[str] = None
     """the dataset's configuration on the hub (`main` for openai/gsm8k)"""
-    tiny_dir: str = "~/.cache/async-rlhf/gsm8k-v2"
-    """where `--model tiny` builds (once) and caches its toy model, tokenizer and dataset"""
+    tiny_dir: str = tiny_world.SHIPPED["gsm8k"]
+    """the GSM8k miniature `--model tiny` runs on: the one in worlds/ (tiny_world.py builds others)"""
     sync: bool = False
     """sync_baseline.py's schedule: generate with the newest weights, then train on that batch"""
 
@@ -162,6 +162,8 @@ class Args:
     """generation rounds, each of num_mini_batches x batch_size prompts x num_samples completions"""
     num_steps: int = 0
     """optimizer steps in total"""
+    world_hash: str = ""
+    """the tiny world's hash (SHA-256 of its SHA256SUMS), printed at the start and logged; empty for hub models"""
 
 
 def resolve_args(args: Args) -> Args:
@@ -189,7 +191,10 @@ def resolve_args(args: Args) -> Args:
                            else os.path.join("runs", args.run_name))
     if args.model != "tiny" and args.model not in PRESETS:  # (a new --model value needs its preset)
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
-    sft, data = tiny_world.build_gsm8k(args.tiny_dir) if args.model == "tiny" else PRESETS[args.model]
+    if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
+        sft, data, args.world_hash = tiny_world.gsm8k_world(args.tiny_dir)
+    else:
+        sft, data = PRESETS[args.model]
     args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
     args.dataset_config = args.dataset_config or {"openai/gsm8k": "main"}.get(args.dataset)
     return args

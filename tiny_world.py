@@ -16,13 +16,23 @@ reference summaries judges the result. Here, the same steps at toy scale:
 5. A proxy reward model trained with Bradley-Terry on fewer pairs labelled by the gold model: decent but imperfect,
    which is what makes reward over-optimisation possible. It is the `--reward_model_path` of `--model tiny`.
 
-A second, smaller world, the GSM8k miniature of `gsm8k_async_dpo.py --model tiny` (`build_gsm8k`), holds one-step
-arithmetic word problems in GSM8k's format and an SFT policy that solves some of them; its reward is verifiable.
+A second world, the GSM8k miniature of `gsm8k_async_dpo.py --model tiny` (`build_gsm8k`), holds one-step arithmetic
+word problems in GSM8k's format and an SFT policy that solves some of them; its reward is verifiable.
 
-Building toy worlds is not part of any algorithm, so every script imports it from here. `world.json` in the built
-folder records what the build measured.
+Both worlds ship with the code, in worlds/ (`SHIPPED`): `--model tiny` reads them and builds nothing (a build is not
+bitwise the same on another machine, so every figure in the docs names the world it came from, by its hash). This
+file builds them from nothing, into a folder of the same layout: Hugging Face `save_pretrained` folders (`sft`,
+`proxy`, `gold`), a dataset folder with its card (`data`), `world.json` (what the build measured) and `SHA256SUMS`
+(every file's hash; the world's hash is that file's):
+
+    python tiny_world.py tldr ~/worlds/my-tldr            # minutes on 2 cores
+    python tiny_world.py gsm8k ~/worlds/my-gsm8k
+    python tiny_world.py tldr /tmp/quick-tldr --quick     # a quick build of the same layout (the tests')
+
+Building toy worlds is not part of any algorithm, so every script imports it from here.
 """
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -53,6 +63,15 @@ REFERENCE_PATTERNS = ["K K the", "K the K K", "K K K the"]  # judge scores 1.5, 
 SFT_WIN_RATE_RANGE = (0.17, 0.43)
 SFT_STEPS, SFT_SEEDS, SFT_SNAPSHOTS = 90, 8, (85, 80, 75, 70)  # see build_tldr, step 3
 PROXY_AGREEMENT = 0.8  # the proxy trains until it orders this share of held-out pairs as the gold model does
+WORLDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds")
+SHIPPED = {"tldr": os.path.join(WORLDS, "tldr-v3"), "gsm8k": os.path.join(WORLDS, "gsm8k-v2")}  # --tiny_dir's default
+CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks a world by hand
+NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every file)
+    "tldr": ("world.json", "data/train.jsonl", "data/validation.jsonl", "sft/model.safetensors",
+             "proxy/model.safetensors", "gold/model.safetensors"),
+    "gsm8k": ("world.json", "data/train.jsonl", "data/test.jsonl", "data/test_unseen_facts.jsonl",
+              "sft/model.safetensors"),
+}
 
 
 def judge(query: str, summary: str, has_eos: bool) -> float:
@@ -171,14 +190,15 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: fl
     return policy.eval()
 
 
-def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gold, progress) -> tuple:
+def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gold, progress,
+               quick: bool = False) -> tuple:
     """The SFT recipe: the first seed whose greedy summaries end (EOS) and beat the references 17-43% of the time
     under the gold model. At this size the win rate swings between 0.1 and 0.85 with the seed alone, and with the
     step (one seed: 0.79, 0.59, 0.33, 0.55 at steps 80, 85, 90, 95); most runs land above the range, about one seed
     in ten at 90 steps lands in it. So at most SFT_SEEDS seeds train SFT_STEPS steps each (a few seconds a seed); if
     none lands, the snapshots taken on the way (SFT_SNAPSHOTS steps, about one in four lands) are scored in turn, and
-    the closest of everything scored is the last resort. No seed is trained twice. Returns the policy and what the
-    world's report says of it."""
+    the closest of everything scored is the last resort. No seed is trained twice. `quick`: one seed, 20 steps, no
+    snapshots. Returns the policy and what the world's report says of it."""
     from transformers import GPTNeoXForCausalLM
 
     eos = tokenizer.eos_token_id
@@ -219,11 +239,13 @@ def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gol
         return policy.eval()
 
     tried, snapshots, last = {}, {}, {}
-    for seed in range(SFT_SEEDS):
-        policy = train_sft(config, tokenizer, train, seed, steps=SFT_STEPS, after_step=keep_snapshots(seed))
+    seeds, sft_steps = (1, 20) if quick else (SFT_SEEDS, SFT_STEPS)
+    for seed in range(seeds):
+        policy = train_sft(config, tokenizer, train, seed, steps=sft_steps, after_step=None if quick else
+                           keep_snapshots(seed))
         last[seed] = policy
-        if try_sft(seed, SFT_STEPS, policy):
-            chosen = seed, SFT_STEPS
+        if try_sft(seed, sft_steps, policy):
+            chosen = seed, sft_steps
             break
     else:
         for chosen in sorted(snapshots, key=lambda k: (k[0], SFT_SNAPSHOTS.index(k[1]))):
@@ -232,7 +254,7 @@ def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gol
                 break
         else:  # nothing landed: the closest of everything scored
             chosen = min(tried, key=lambda k: (tried[k][2] < 0.98, abs(tried[k][0] - sum(SFT_WIN_RATE_RANGE) / 2)))
-            policy = last[chosen[0]] if chosen[1] == SFT_STEPS else from_snapshot(chosen)
+            policy = last[chosen[0]] if chosen[1] == sft_steps else from_snapshot(chosen)
     snapshots.clear()
     return policy, dict(sft_seed=chosen[0], sft_steps=chosen[1], sft_gold_win_rate=tried[chosen][0],
                         sft_judge_win_rate=tried[chosen][1], sft_eos_fraction=tried[chosen][2],
@@ -407,25 +429,86 @@ def build_in_own_process(kind: str, tiny_dir: str, *options: str) -> None:
         raise RuntimeError(f"building the {kind} world in {tiny_dir} failed (exit code {code}; its error is above)")
 
 
-def build_tldr(tiny_dir: str) -> tuple[str, str, str, str]:
-    """Build the world once (cached in `tiny_dir`); return the SFT policy's, the proxy reward model's, the dataset's
-    and the gold reward model's folders."""
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a world: what the scripts do with --model tiny (they never build one)
+# ---------------------------------------------------------------------------------------------------------------
+def tldr_world(tiny_dir: str) -> tuple[str, str, str, str, str]:
+    """The TL;DR world in `tiny_dir`, checked (`check_world`): the SFT policy's, the proxy reward model's, the
+    dataset's and the gold reward model's folders, and the world's hash."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    digest = check_world(tiny_dir, "tldr")
+    return (*(os.path.join(tiny_dir, name) for name in ("sft", "proxy", "data", "gold")), digest)
+
+
+def gsm8k_world(tiny_dir: str) -> tuple[str, str, str]:
+    """The GSM8k miniature in `tiny_dir`, checked: the SFT policy's and the dataset's folders, and the world's hash."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    digest = check_world(tiny_dir, "gsm8k")
+    return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data"), digest
+
+
+def check_world(folder: str, kind: str) -> str:
+    """A world as the scripts read it: its SHA256SUMS, the files a script needs listed there, and every file it
+    lists present with that hash. Else one error naming the file, and how to get the world back (nothing is built
+    here, or over it). Returns the world's hash: the SHA-256 of its SHA256SUMS."""
+    from plumbing.core import fail
+
+    shipped = os.path.abspath(folder) == os.path.abspath(SHIPPED[kind])
+    again = (f"restore it with `git checkout -- {os.path.relpath(folder)}`" if shipped else
+             f"rebuild it with `python tiny_world.py {kind} {folder}` into an empty folder") + (
+        f", or build another with `python tiny_world.py {kind} NEW_FOLDER` and pass --tiny_dir NEW_FOLDER")
+    sums = os.path.join(folder, CHECKSUMS)
+    if not os.path.isfile(sums):
+        fail(f"--tiny_dir {folder}: no {kind} world there ({CHECKSUMS} is missing); {again}")
+    listed = {path: digest for digest, path in (line.split("  ", 1) for line in open(sums).read().splitlines())}
+    for path in [*NEEDED[kind], *listed]:
+        if path not in listed or not os.path.isfile(os.path.join(folder, path)):
+            fail(f"--tiny_dir {folder}: {path} is missing{'' if path in listed else f' from {CHECKSUMS}'}; {again}")
+        if file_hash(os.path.join(folder, path)) != listed[path]:
+            fail(f"--tiny_dir {folder}: {path} is not the file this world was built with (its SHA-256 is not the "
+                 f"one in {CHECKSUMS}); {again}")
+    return file_hash(sums)
+
+
+def file_hash(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_checksums(folder: str) -> None:
+    """SHA256SUMS: every file of the world but itself, sorted, in `sha256sum`'s format."""
+    paths = sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
+                   for name in names if name != CHECKSUMS)
+    with open(os.path.join(folder, CHECKSUMS), "w") as f:
+        f.writelines(f"{file_hash(os.path.join(folder, path))}  {path}\n" for path in paths)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building a world (python tiny_world.py KIND FOLDER)
+# ---------------------------------------------------------------------------------------------------------------
+def build_tldr(tiny_dir: str, quick: bool = False) -> tuple[str, str, str, str]:
+    """Build the TL;DR world into `tiny_dir` unless one is there; return the SFT policy's, the proxy reward model's,
+    the dataset's and the gold reward model's folders. `quick`: the same recipe and layout on a tenth of the work
+    (one SFT seed, a few steps of each model; the tests' check of the builder), not a world to learn in."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = tuple(os.path.join(tiny_dir, name) for name in ("sft", "proxy", "data", "gold"))
     if not os.path.exists(os.path.join(tiny_dir, "world.json")):
-        build_in_own_process("tldr", tiny_dir)
+        build_in_own_process("tldr", tiny_dir, str(int(quick)))
     return paths
 
 
-def build_tldr_here(tiny_dir: str) -> None:
+def build_tldr_here(tiny_dir: str, quick: str = "0") -> None:
     """The TL;DR world's build itself (build_tldr runs it in a child process)."""
     import transformers
     from transformers import GPTNeoXConfig
 
     transformers.utils.logging.disable_progress_bar()
-    progress, report = Progress("the tiny TL;DR world", tiny_dir), {}
+    quick = bool(int(quick))
+    progress, report = Progress("the tiny TL;DR world" + " (quick)" * quick, tiny_dir), {"quick": quick}
+    posts = 500 if quick else 2000  # the gold model's candidates come from as many posts, the proxy's as many more
     with deterministic(0) as rng:
-        splits = {split: [make_example(rng) for _ in range(n)] for split, n in (("train", 4000), ("validation", 512))}
+        splits = {split: [make_example(rng) for _ in range(n)]
+                  for split, n in (("train", 2 * posts), ("validation", 128 if quick else 512))}
         train, validation = splits["train"], splits["validation"]
         tokenizer = build_tokenizer([r["query"] + r["reference_response"] for r in train])
         eos = tokenizer.eos_token_id
@@ -433,7 +516,8 @@ def build_tldr_here(tiny_dir: str) -> None:
                                intermediate_size=512, max_position_embeddings=512, bos_token_id=eos, eos_token_id=eos,
                                num_labels=1)
         val_prompts = encode(tokenizer, [r["query"] for r in validation])
-        report["reference_judge_mean"] = sum(judge(r["query"], r["summary"], True) for r in validation) / 512
+        judged = [judge(r["query"], r["summary"], True) for r in validation]
+        report["reference_judge_mean"] = sum(judged) / len(judged)
         progress("data and tokenizer")
 
         def with_prefix_targets(row: dict, completions: list) -> list:
@@ -443,30 +527,30 @@ def build_tldr_here(tiny_dir: str) -> None:
         # 4. The gold reward model, first: Bradley-Terry on judge labels, over whole candidates and all their
         # prefixes, from a backbone of its own (an SFT run apart from the policy's, as the paper's gold model is
         # a separate, larger model)
-        gold_backbone = train_sft(config, tokenizer, train, seed=100, steps=100)
+        gold_backbone = train_sft(config, tokenizer, train, seed=100, steps=10 if quick else 100)
         gold_sets = [(prompt, with_prefix_targets(row, completions), None) for (prompt, completions), row
-                     in zip(candidate_sets(rng, gold_backbone, tokenizer, train[:2000]), train)]
-        gold, _ = train_reward_model(config, gold_backbone.state_dict(), gold_sets, steps=250, per_step=16, lr=3e-3,
-                                  seed=1, dense=True)
-        report["seconds_to_gold"] = round(progress.seconds(), 1)
+                     in zip(candidate_sets(rng, gold_backbone, tokenizer, train[:posts]), train)]
+        gold, _ = train_reward_model(config, gold_backbone.state_dict(), gold_sets, steps=10 if quick else 250,
+                                     per_step=16, lr=3e-3, seed=1, dense=True)
         progress("gold reward model")
 
         # 3. The SFT policy, by the recipe of choose_sft (a seed whose gold win rate lands in range)
-        policy, sft_report = choose_sft(config, tokenizer, train, validation, gold, progress)
+        policy, sft_report = choose_sft(config, tokenizer, train, validation, gold, progress, quick)
         report.update(sft_report)
 
         # 5. The proxy: pairs of candidates from 2,000 other posts, labelled by the gold model (the paper's
         # relabelling), trained from the SFT policy's weights
-        held_out = held_out_sets(policy, tokenizer, validation[:256])
+        half = len(validation) // 2
+        held_out = held_out_sets(policy, tokenizer, validation[:half])
         normalise(gold, held_out, eos)
         pairs = [(prompt, rng.sample(completions, 2)) for prompt, completions in
-                 candidate_sets(rng, policy, tokenizer, train[2000:4000]) for _ in range(3)]
+                 candidate_sets(rng, policy, tokenizer, train[posts:]) for _ in range(3)]
         pairs = [(prompt, pair, scores.tolist()) for (prompt, pair), scores in
                  zip(pairs, score_sets(gold, pairs, eos))]
-        tuning = held_out_sets(policy, tokenizer, validation[256:])  # not the posts the agreement is reported on
+        tuning = held_out_sets(policy, tokenizer, validation[half:])  # not the posts the agreement is reported on
         tuning_gold = score_sets(gold, tuning, eos)
         proxy, report["proxy_steps"] = train_reward_model(
-            config, policy.state_dict(), pairs, steps=600, per_step=64, lr=1e-3, seed=2, dense=False,
+            config, policy.state_dict(), pairs, steps=10 if quick else 600, per_step=64, lr=1e-3, seed=2, dense=False,
             good_enough=lambda model: agreement(score_sets(model, tuning, eos), tuning_gold) >= PROXY_AGREEMENT)
         normalise(proxy, held_out, eos)
         progress(f"proxy reward model ({report['proxy_steps']} steps)")
@@ -479,8 +563,7 @@ def build_tldr_here(tiny_dir: str) -> None:
         report.update(gold_judge_agreement=agreement(gold_scored, judged),
                       proxy_gold_agreement=agreement(proxy_scored, gold_scored),
                       proxy_judge_agreement=agreement(proxy_scored, judged),
-                      gold_probes=probe_agreement(gold, tokenizer, validation[:256], val_prompts))
-    report["build_seconds"] = round(progress.seconds(), 1)
+                      gold_probes=probe_agreement(gold, tokenizer, validation[:half], val_prompts))
     save_world(tiny_dir, splits, {"sft": policy, "gold": gold, "proxy": proxy}, tokenizer, report)
     progress(f"built: gold agrees with the judge {report['gold_judge_agreement']:.2f}, proxy with gold "
              f"{report['proxy_gold_agreement']:.2f}, SFT gold win rate {report['sft_gold_win_rate']:.2f}; "
@@ -494,8 +577,8 @@ SIZES = {"small": (64, 2, 2), "base": (128, 2, 4), "large": (256, 4, 4)}
 SIZED_PROXY_STEPS = 200  # every proxy the same steps on the same pairs (no early stop: sizes differ only in size)
 
 
-def build_sized(sized_dir: str, base_dir: str = "~/.cache/async-rlhf/tiny-v3", quick: bool = False) -> dict:
-    """Beside the TL;DR world in `base_dir` (built first if missing, and left as it is), an SFT policy of each of
+def build_sized(sized_dir: str, base_dir: str = SHIPPED["tldr"], quick: bool = False) -> dict:
+    """Beside the TL;DR world in `base_dir` (checked, and left as it is), an SFT policy of each of
     SIZES fine-tuned by the world's recipe (choose_sft; "base" is the world's own) and a proxy reward model of each
     size, all trained on the same gold-labelled pairs from their size's SFT weights. The judge, the gold reward
     model, the data and the tokenizer are the world's. `quick` (for CI): the two smaller sizes, the proxies' pairs
@@ -503,10 +586,15 @@ def build_sized(sized_dir: str, base_dir: str = "~/.cache/async-rlhf/tiny-v3", q
     Returns {"policy": {size: folder}, "proxy": {size: folder}, "base": base_dir, "sizes": {size: report}}: each
     model's parameters, each policy's SFT gold win rate and each proxy's agreement with gold (world.json's)."""
     base_dir, sized_dir = os.path.expanduser(base_dir), os.path.expanduser(sized_dir)
-    build_tldr(base_dir)
+    base_hash = check_world(base_dir, "tldr")
     if not os.path.exists(os.path.join(sized_dir, "world.json")):
         build_in_own_process("sized", sized_dir, base_dir, str(int(quick)))
-    sizes = json.load(open(os.path.join(sized_dir, "world.json")))["sizes"]
+    report = json.load(open(os.path.join(sized_dir, "world.json")))
+    if report.get("base_hash") != base_hash:  # (built beside another world, or before worlds had a hash)
+        from plumbing.core import fail
+
+        fail(f"{sized_dir} was built beside another TL;DR world than {base_dir}: delete it to build it again")
+    sizes = report["sizes"]
     return {"policy": {size: os.path.join(sized_dir, f"policy-{size}") for size in sizes},
             "proxy": {size: os.path.join(sized_dir, f"proxy-{size}") for size in sizes}, "base": base_dir,
             "sizes": sizes}
@@ -558,14 +646,16 @@ def build_sized_here(sized_dir: str, base_dir: str, quick: str) -> None:
             progress(f"{size} ({hidden} wide, {layers} layers): SFT gold win rate "
                      f"{report['sizes'][size]['sft_gold_win_rate']:.2f}, proxy agrees with gold "
                      f"{report['sizes'][size]['proxy_gold_agreement']:.2f}")
-    report.update(base=base_dir, quick=quick, build_seconds=round(progress.seconds(), 1))
+    report.update(base=base_dir, base_hash=file_hash(os.path.join(base_dir, CHECKSUMS)), quick=quick)
     save_world(sized_dir, {}, models, tokenizer, report)
     progress(f"saved in {sized_dir}")
 
 
 def save_world(tiny_dir: str, splits: dict, models: dict, tokenizer, report: dict) -> None:
-    """Write the data (one jsonl file per split), the models with the tokenizer and `world.json` to a folder beside
-    `tiny_dir`, then rename it into place: an interrupted build leaves no half-built world behind."""
+    """Write the data (one jsonl file per split), the models with the tokenizer, `world.json` and SHA256SUMS to a
+    folder beside `tiny_dir`, then rename it into place: an interrupted build leaves no half-built world behind.
+    (`report` holds what the world is, not how long its build took: a build repeated on the same machine gives the
+    same files, hash included.)"""
     parent = os.path.dirname(os.path.abspath(tiny_dir))
     os.makedirs(parent, exist_ok=True)
     build_dir = tempfile.mkdtemp(prefix=".building-", dir=parent)
@@ -583,6 +673,7 @@ def save_world(tiny_dir: str, splits: dict, models: dict, tokenizer, report: dic
         tokenizer.save_pretrained(os.path.join(build_dir, name))
     with open(os.path.join(build_dir, "world.json"), "w") as f:
         json.dump(report, f, indent=1)
+    write_checksums(build_dir)
     try:
         os.rename(build_dir, tiny_dir)
     except OSError:  # another process finished the same (deterministic) build first
@@ -703,36 +794,39 @@ def math_pass_at_1(policy, tokenizer, rows: list[dict]) -> float:
     return sum(a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)) / len(rows)
 
 
-def build_gsm8k(tiny_dir: str, sft_steps: int = 600) -> tuple[str, str]:
+def build_gsm8k(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     """Build the GSM8k miniature once (cached in `tiny_dir`): one-step addition and subtraction word problems with
     numbers up to 30 in four phrasings, GSM8k's column names, and a GPT-NeoX SFT policy (hidden 256, 4 layers)
     trained on the worked solutions of `train`. Two fixed evaluation splits: `test`, 400 new problems over facts
     seen in training (no question of `train`, but the operation and operands of a training problem: what GSM8k's
     test asks of a model that knows its arithmetic), and `test_unseen_facts`, 200 problems whose operation and
-    operands no training problem has. Returns the SFT policy's and the dataset's folders."""
+    operands no training problem has. Built unless one is there. `quick`: the same layout from a seventh of the
+    problems and 20 SFT steps (the tests' check of the builder). Returns the SFT policy's and the dataset's folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
     if not os.path.exists(os.path.join(tiny_dir, "world.json")):
-        build_in_own_process("gsm8k", tiny_dir, str(sft_steps))
+        build_in_own_process("gsm8k", tiny_dir, str(int(quick)))
     return paths
 
 
-def build_gsm8k_here(tiny_dir: str, sft_steps: int) -> None:
+def build_gsm8k_here(tiny_dir: str, quick: str = "0") -> None:
     """The GSM8k miniature's build itself (build_gsm8k runs it in a child process)."""
     import transformers
     from transformers import GPTNeoXConfig
 
     transformers.utils.logging.disable_progress_bar()
-    progress = Progress("the GSM8k miniature", tiny_dir)
+    quick = bool(int(quick))
+    progress = Progress("the GSM8k miniature" + " (quick)" * quick, tiny_dir)
+    sft_steps, scale = (20, 7) if quick else (600, 1)
     with deterministic(0) as rng:
         unseen, unseen_facts = [], set()
-        while len(unseen) < 200:
+        while len(unseen) < 200 // scale:
             fact, row = make_math_problem(rng)
             if fact not in unseen_facts:
                 unseen_facts.add(fact)
                 unseen.append(row)
         train, train_facts = [], set()
-        while len(train) < 7000:
+        while len(train) < 7000 // scale:
             fact, row = make_math_problem(rng)
             if fact not in unseen_facts:
                 train.append(row)
@@ -740,7 +834,7 @@ def build_gsm8k_here(tiny_dir: str, sft_steps: int) -> None:
         # (measured with this SFT policy: new names, items or phrasings are beyond it, greedy pass@1 0.04-0.06 on
         # 400 such problems over seen facts, so new problems recombine the training split's names, items, phrasings)
         test, train_questions, test_rng = [], {r["question"] for r in train}, random.Random(1)
-        while len(test) < 400:
+        while len(test) < 400 // scale:
             fact, row = make_math_problem(test_rng)
             if fact in train_facts and row["question"] not in train_questions:
                 test.append(row)
@@ -762,24 +856,30 @@ def build_gsm8k_here(tiny_dir: str, sft_steps: int) -> None:
         policy = train_sft(config, tokenizer, sft_rows, seed=0, steps=sft_steps, lr=1e-3, batch_size=64,
                            after_step=every_100)
         progress(f"SFT policy, {sft_steps} steps")
-        report = {"sft_steps": sft_steps, "sft_test_pass_at_1": math_pass_at_1(policy, tokenizer, test),
+        report = {"quick": quick, "sft_steps": sft_steps,
+                  "sft_test_pass_at_1": math_pass_at_1(policy, tokenizer, test),
                   "sft_unseen_facts_pass_at_1": math_pass_at_1(policy, tokenizer, unseen),
-                  "sft_train_pass_at_1": math_pass_at_1(policy, tokenizer, train[:200])}
-    report["build_seconds"] = round(progress.seconds(), 1)
+                  "sft_train_pass_at_1": math_pass_at_1(policy, tokenizer, train[:200 // scale])}
     save_world(tiny_dir, {"train": train, "test": test, "test_unseen_facts": unseen}, {"sft": policy}, tokenizer,
                report)
     progress(f"built: greedy pass@1 {report['sft_test_pass_at_1']:.2f} on the test split; saved in {tiny_dir}")
 
 
-if __name__ == "__main__":  # build (or show) a world: python tiny_world.py [tldr|gsm8k] [folder]
+if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--quick] [--base TLDR_FOLDER] (sized)
     if sys.argv[1:2] == ["--build"]:  # (build_in_own_process's child)
         kind, folder, *options = sys.argv[2:]
-        if kind == "sized":
-            build_sized_here(folder, *options)
-        else:
-            build_tldr_here(folder) if kind == "tldr" else build_gsm8k_here(folder, *map(int, options))
+        {"tldr": build_tldr_here, "gsm8k": build_gsm8k_here, "sized": build_sized_here}[kind](folder, *options)
         sys.exit()
-    kind = sys.argv[1] if len(sys.argv) > 1 else "tldr"
-    folder = sys.argv[2] if len(sys.argv) > 2 else f"~/.cache/async-rlhf/{'tiny-v3' if kind == 'tldr' else 'gsm8k-v2'}"
-    (build_tldr if kind == "tldr" else build_gsm8k)(folder)
-    print(open(os.path.join(os.path.expanduser(folder), "world.json")).read())
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build a toy world into a folder (nothing is built over one).")
+    parser.add_argument("kind", choices=["tldr", "gsm8k", "sized"])
+    parser.add_argument("folder")
+    parser.add_argument("--quick", action="store_true", help="the same layout on a fraction of the work (tests)")
+    parser.add_argument("--base", default=SHIPPED["tldr"], help="sized: the TL;DR world the sizes are built beside")
+    cli = parser.parse_args()
+    if cli.kind == "sized":
+        build_sized(cli.folder, cli.base, cli.quick)
+    else:
+        (build_tldr if cli.kind == "tldr" else build_gsm8k)(cli.folder, cli.quick)
+    print(open(os.path.join(os.path.expanduser(cli.folder), "world.json")).read())

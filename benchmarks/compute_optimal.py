@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from off_policy import fmt, mean_and_stderr, train  # noqa: E402
 
+import tiny_world  # noqa: E402
 from async_dpo import TINY_DEFAULTS  # noqa: E402
 from plumbing import metrics  # noqa: E402
 
@@ -66,7 +67,7 @@ class Args:
     """the gold win rate whose first crossing times a run (fixed before the runs)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds per row"""
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
     """the tiny world (built there if missing)"""
     plot_dir: str = HERE
     """where the two plots go"""

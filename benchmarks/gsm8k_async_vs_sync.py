@@ -17,11 +17,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+import tiny_world  # noqa: E402
+
 SPLITS = {"eval/pass_at_1": "new problems, seen facts", "eval/test_unseen_facts/pass_at_1": "unseen facts"}
 
 
@@ -29,8 +33,10 @@ SPLITS = {"eval/pass_at_1": "new problems, seen facts", "eval/test_unseen_facts/
 class Args:
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds (each runs async and sync)"""
-    tiny_dir: str = "~/.cache/async-rlhf/gsm8k-v2"
-    """the GSM8k miniature (built there if missing)"""
+    tiny_dir: str = tiny_world.SHIPPED["gsm8k"]
+    """the GSM8k miniature (the shipped one)"""
+    runs_dir: Optional[str] = None
+    """keep each run's folder here, `{runs_dir}/{schedule}{seed}` (default: temporary folders, removed afterwards)"""
     plot_path: str = os.path.join(HERE, "gsm8k_async_vs_sync.png")
     """where the plot of pass@1 against wall-clock time goes"""
     quick: bool = False
@@ -70,7 +76,8 @@ if __name__ == "__main__":
         for seed in args.seeds:
             for schedule in ("async", "sync"):
                 print(f"seed {seed}: {schedule} ...", flush=True)
-                runs[schedule, seed] = run(args, seed, schedule == "sync", os.path.join(tmp, f"{schedule}{seed}"))
+                folder = os.path.join(args.runs_dir or tmp, f"{schedule}{seed}")
+                runs[schedule, seed] = run(args, seed, schedule == "sync", folder)
 
     print("\nPer run (± the binomial standard error of one evaluation):")
     print("| schedule | seed | split | pass@1 before | pass@1 after | training time | staleness |")

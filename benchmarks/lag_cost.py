@@ -27,7 +27,7 @@ from plumbing import core  # noqa: E402
 
 @dataclass
 class Args:
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
     """the tiny world (built there if missing)"""
     model: Literal["pythia-410m", "pythia-1b", "pythia-2.8b"] = "pythia-410m"
     """the larger model's architecture (random weights)"""
@@ -60,7 +60,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     transformers.utils.logging.disable_progress_bar()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    sft = tiny_world.build_tldr(os.path.expanduser(args.tiny_dir))[0]
+    sft = tiny_world.tldr_world(args.tiny_dir)[0]
     models = {"tiny policy": lambda: AutoModelForCausalLM.from_pretrained(sft)}
     if not args.quick:
         models[args.model] = lambda: AutoModelForCausalLM.from_config(model_config(args.model), dtype=torch.float32)

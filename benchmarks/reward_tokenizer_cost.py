@@ -26,7 +26,7 @@ from plumbing.reward_models import load_reward_model, reward_tokenizer  # noqa: 
 
 @dataclass
 class Args:
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
     """the tiny world (built there if missing)"""
     repeats: int = 20
     """timed repetitions of each path"""
@@ -47,7 +47,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
-    _, proxy, data, _ = tiny_world.build_tldr(args.tiny_dir)
+    _, proxy, data, _, _ = tiny_world.tldr_world(args.tiny_dir)
     rows = [json.loads(line) for line in open(os.path.join(data, "validation.jsonl"))][: args.num_completions]
     texts = [json.loads(line)["query"] for line in open(os.path.join(data, "train.jsonl"))][:2000]
     own, other = AutoTokenizer.from_pretrained(proxy), tiny_world.build_other_tokenizer(texts)

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tiny_world  # noqa: E402
 
 
 @dataclass
 class Args:
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
     """the tiny world (built there if missing)"""
     repeats: int = 40
     """timed generations of each kind, with and without seeds, interleaved"""

@@ -49,11 +49,11 @@ class Args:
     """training prompts per run (benchmarks/off_policy.py's)"""
     lr_control: bool = True
     """also run the smallest policy with its learning rate scaled to the largest policy's step size"""
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
-    """the tiny world (built there if missing)"""
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
+    """the tiny world the sizes are built beside (the shipped one)"""
     sized_dir: Optional[str] = None
     """the policies and proxies of several sizes, built there if missing (default: ~/.cache/async-rlhf/
-    tiny-v3-sized, and with --quick tiny-v3-sized-quick: two sizes, quickly trained)"""
+    tldr-v3-sized, and with --quick tldr-v3-sized-quick: two sizes, quickly trained)"""
     plot_dir: str = HERE
     """where the two plots go"""
     runs_dir: Optional[str] = None
@@ -69,7 +69,7 @@ if __name__ == "__main__":
     if args.quick:
         args.n_values, args.seeds, args.total_episodes = [2], args.seeds[:1], 64
         extra = ["--num_final_eval_prompts", "64"]
-    args.sized_dir = args.sized_dir or f"~/.cache/async-rlhf/tiny-v3-sized{'-quick' if args.quick else ''}"
+    args.sized_dir = args.sized_dir or f"~/.cache/async-rlhf/tldr-v3-sized{'-quick' if args.quick else ''}"
     sweep_start = time.time()
     sized = tiny_world.build_sized(args.sized_dir, args.tiny_dir, quick=args.quick)
     sizes = list(sized["policy"])  # smallest first

@@ -118,7 +118,8 @@ if __name__ == "__main__":
             args.metrics))
         if not paths:
             sys.exit("error: give metrics.jsonl files, or --run")
-        runs = {name: [json.loads(line) for line in open(path)] for name, path in paths.items()}
+        runs = {name: [r for r in map(json.loads, open(path)) if "step" in r]  # (steps and evaluations)
+                for name, path in paths.items()}
     for name, records in runs.items():
         if not any("timeline/training_start" in r for r in records):
             sys.exit(f"error: {paths[name]} has no timeline/* metrics (written by the scripts since they log them)")

@@ -27,6 +27,8 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+import tiny_world  # noqa: E402
 
 
 @dataclass
@@ -43,7 +45,7 @@ class Args:
     """learning rate of the long run (the demo's x3)"""
     quick: bool = False
     """one seed and short runs: checks that the benchmark works, measures nothing"""
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
     """the tiny world (built there if missing)"""
     plot_dir: str = HERE
     """where the PNGs go"""
@@ -103,7 +105,7 @@ if __name__ == "__main__":
                 print(f"seed {seed}: long run ...", flush=True)
                 long[seed] = run(os.path.join(tmp, f"long{seed}"), args, seed, *long_flags)
     report(f"demo (python {args.script} --model tiny)", demo)
-    print(f"  wall time (world built)  {spread([e[-1]['wall_seconds'] for e in demo.values()])} s; peak memory of "
+    print(f"  wall time                {spread([e[-1]['wall_seconds'] for e in demo.values()])} s; peak memory of "
           f"the learner and generator processes {spread([e[-1]['peak_gib'] for e in demo.values()])} GiB")
     if args.long_run:
         report(f"long run (--total_episodes {args.long_episodes} --learning_rate {args.long_learning_rate})", long)

@@ -153,19 +153,24 @@ def check_same_run(args, may_differ: set):
     script's own set) that differs, a model compared by what it is (`model_identity`). Returns the wandb run's
     id."""
     saved = read(args.resume_from)
+    here, there = getattr(args, "tiny_dir", None), saved["args"].get("tiny_dir")
     differ = [k for k, v in saved["args"].items() if k not in may_differ
-              and model_identity(getattr(args, k, v)) != model_identity(v)]
+              and model_identity(getattr(args, k, v), here) != model_identity(v, there)]
     if differ:
         fail(f"--resume_from {args.resume_from}: its run had --{differ[0]} "
              f"{saved['args'][differ[0]]}, this one has {getattr(args, differ[0])}")
     return saved.get("wandb_id")
 
 
-def model_identity(value):
+def model_identity(value, tiny_dir=None):
     """A flag's value as a resume compares it: a model fetched into the Hugging Face cache by its repository and
-    commit (`models--{org}--{name}/snapshots/{commit}`), not by where that cache lies on each machine."""
+    commit (`models--{org}--{name}/snapshots/{commit}`), and a tiny world's model or data by its place in the world
+    (the world itself by `world_hash`), not by where the cache or the world lies on each machine."""
     if isinstance(value, str) and "/snapshots/" in value and "models--" in value:
         return value[value.rindex("models--"):].rstrip("/")
+    if isinstance(value, str) and tiny_dir and os.path.isabs(value):
+        inside = os.path.relpath(value, os.path.expanduser(tiny_dir))
+        return value if inside.startswith("..") else ("in the tiny world", inside)
     return value
 
 

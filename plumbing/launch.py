@@ -5,6 +5,7 @@ saving a checkpoint (--save_every)."""
 import contextlib
 import functools
 import gc
+import os
 import signal
 import sys
 from typing import Callable, Optional
@@ -84,4 +85,9 @@ def start_run(args, cleanup: contextlib.ExitStack, may_differ: set):
         print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds "
               f"of {args.batch_size * args.num_mini_batches} prompts x {args.num_samples} samples; "
               f"metrics in {args.output_dir}/metrics.jsonl", flush=True)
+    if args.world_hash and args.rank == 0:  # (--model tiny) the world every figure of the run comes from
+        print(f"world {args.tiny_dir} ({args.world_hash[:12]})", flush=True)
+    if args.world_hash and not args.resume_from:  # (a resumed run's metrics begin with its world's: the same)
+        metrics.log({"world": os.path.basename(os.path.normpath(args.tiny_dir)), "world_hash": args.world_hash},
+                    metrics_file, track=False)
     return metrics_file

@@ -30,12 +30,12 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_modifyitems(items: list) -> None:
-    """Longest test files first: the two test workers (pytest.ini) each take whole files. The first two files
-    build the two worlds side by side; the benchmarks, which need both, come after the GSM8k world is built; the
-    quick files fill in at the end."""
-    first = ["test_gsm8k.py", "test_end_to_end.py", "test_resume.py", "test_shutdown.py", "test_ppo.py",
-             "test_rloo.py", "test_benchmarks.py", "test_chat.py", "test_soundness.py", "test_reward_tokenizer.py",
-             "test_failures.py", "test_sync_baseline.py"]
+    """Longest test files first (the two test workers, pytest.ini, each take whole files; their times are in the
+    durations each run lists at its end): the next file goes to the worker that finishes first, so both end close
+    together. The quick files fill in at the end."""
+    first = ["test_benchmarks.py", "test_gsm8k.py", "test_resume.py", "test_ppo.py", "test_end_to_end.py",
+             "test_shutdown.py", "test_rloo.py", "test_sync_baseline.py", "test_tiny_world.py", "test_failures.py",
+             "test_chat.py", "test_reward_tokenizer.py"]
     rank = {name: i for i, name in enumerate(first)}
     items.sort(key=lambda item: rank.get(item.path.name, len(first)))
 
@@ -52,19 +52,19 @@ def start_as_a_foreground_job(script: str, *flags: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> str:
-    """The tiny CPU configuration's models, tokenizer and dataset, built once per test session (or, for quicker
-    local iterations, taken from the folder in ASYNC_RLHF_TEST_TINY_DIR, where it is built if missing)."""
+def tiny_dir() -> str:
+    """The TL;DR world shipped in worlds/, checked file by file against its SHA256SUMS (the suite builds no world
+    but the quick ones of the builder's tests)."""
     import tiny_world
 
-    tiny_dir = os.environ.get("ASYNC_RLHF_TEST_TINY_DIR") or shared_folder(tmp_path_factory, "tiny")
-    tiny_world.build_tldr(tiny_dir)
-    return tiny_dir
+    tiny_world.tldr_world(tiny_world.SHIPPED["tldr"])
+    return tiny_world.SHIPPED["tldr"]
 
 
 @pytest.fixture(scope="session")
 def sized_dir(tmp_path_factory, tiny_dir) -> str:
-    """Policies and proxies of two sizes beside the tiny world (tiny_world.build_sized, quick), built once."""
+    """Policies and proxies of two sizes beside the shipped world: the builder's quick build of them
+    (tiny_world.build_sized), once per session, for the builder's test and the scaling benchmark's."""
     import tiny_world
 
     sized_dir = shared_folder(tmp_path_factory, "sized-quick")
@@ -86,10 +86,33 @@ def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 1800,
 
 
 @pytest.fixture(scope="session")
-def gsm8k_dir(tmp_path_factory) -> str:
-    """The GSM8k miniature (ASYNC_RLHF_TEST_GSM8K_DIR reuses a built one, as ASYNC_RLHF_TEST_TINY_DIR does)."""
+def gsm8k_dir() -> str:
+    """The GSM8k miniature shipped in worlds/, checked as the TL;DR world is."""
     import tiny_world
 
-    gsm8k_dir = os.environ.get("ASYNC_RLHF_TEST_GSM8K_DIR") or shared_folder(tmp_path_factory, "gsm8k")
-    tiny_world.build_gsm8k(gsm8k_dir)
-    return gsm8k_dir
+    tiny_world.gsm8k_world(tiny_world.SHIPPED["gsm8k"])
+    return tiny_world.SHIPPED["gsm8k"]
+
+
+def run_in_process(script: str, *flags: str, capsys) -> tuple[int, str]:
+    """A script's entry point, as its `if __name__ == "__main__":` runs it (flags parsed, resolve_args, launch.run of
+    main), in this process: for input that must be refused before anything starts, without a process's start-up.
+    Returns the exit code and what it wrote to stderr; any other exception fails the test with its traceback, as a
+    user would have seen one."""
+    import importlib
+    import signal
+
+    from plumbing import launch
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    argv, on_sigterm = sys.argv, signal.getsignal(signal.SIGTERM)
+    sys.argv = [script, *flags]
+    try:
+        launch.run(module.main, module.resolve_args(launch.parse_args(
+            module.Args, module.TINY_DEFAULTS, getattr(module, "PRESET_DEFAULTS", None))))
+    except SystemExit as stop:
+        return stop.code, capsys.readouterr().err
+    finally:
+        sys.argv = argv
+        signal.signal(signal.SIGTERM, on_sigterm)
+    raise AssertionError(f"{script} {' '.join(flags)} ran to its end instead of refusing its input")

@@ -1,12 +1,16 @@
-"""The tiny TL;DR world (tiny_world.py): the judge on hand-made summaries, the data's design, and the targets the
-build must reach, recomputed from the cached world rather than read from its report."""
-import glob
+"""The toy worlds (tiny_world.py): the judge on hand-made summaries, the data's design, the targets the build must
+reach, recomputed from the shipped world rather than read from its report; the builder, on a quick build of each
+world, laid out as the shipped one; and a damaged world refused, naming the file."""
 import json
 import os
 import random
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import REPO, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import tiny_world
@@ -114,7 +118,50 @@ def test_sized_policies_and_proxies_share_the_gold_model_and_leave_the_world_as_
         assert (proxy.config.hidden_size, proxy.config.num_hidden_layers) == (hidden, layers)
         assert report["sizes"][size]["proxy_gold_agreement"] > 0.55, size
     assert not os.path.exists(os.path.join(sized_dir, "gold")) and not os.path.exists(os.path.join(sized_dir, "data"))
-    # nothing in the world's folder was written since the sized build began
-    build_start = os.path.getmtime(os.path.join(sized_dir, "world.json")) - report["build_seconds"] - 1
-    world_files = glob.glob(os.path.join(tiny_dir, "**"), recursive=True)
-    assert world_files and all(os.path.getmtime(path) < build_start for path in world_files)
+    # the world it was built beside is as it was, file for file
+    assert report["base_hash"] == tiny_world.check_world(tiny_dir, "tldr")
+
+
+def layout(folder: str) -> set:
+    return {os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names}
+
+
+@pytest.mark.parametrize("kind", ["tldr", "gsm8k"])
+def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
+    """`python tiny_world.py KIND FOLDER --quick`, the builder's command on a fraction of the work: the same files as
+    the world shipped in worlds/ (Hugging Face model folders, the dataset with its card, world.json with the same
+    entries, SHA256SUMS), models of the same architecture, and a world the scripts accept (its hashes check)."""
+    folder = tmp_path / kind
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tiny_world.py"), kind, str(folder), "--quick"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shipped = tiny_world.SHIPPED[kind]
+    assert layout(folder) == layout(shipped)
+    built, theirs = (json.load(open(os.path.join(f, "world.json"))) for f in (folder, shipped))
+    assert set(built) == set(theirs) and built["quick"] and not theirs["quick"]
+    for model in {path.split("/")[0] for path in layout(shipped) if path.endswith("config.json")}:
+        configs = [json.load(open(os.path.join(f, model, "config.json"))) for f in (folder, shipped)]
+        for key in ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            assert configs[0][key] == configs[1][key], (model, key)
+    assert open(folder / "data" / "README.md").read() == open(os.path.join(shipped, "data", "README.md")).read()
+    world = (tiny_world.tldr_world if kind == "tldr" else tiny_world.gsm8k_world)(str(folder))
+    assert world[-1] == tiny_world.file_hash(folder / tiny_world.CHECKSUMS) != tiny_world.check_world(shipped, kind)
+
+
+def test_a_world_with_a_file_missing_or_changed_is_refused_naming_it(tiny_dir, tmp_path, capsys):
+    """A world folder is checked file by file against its SHA256SUMS before anything runs: a missing model file
+    stops the script with an error naming it and the command that builds a world (it used to build one, minutes,
+    over what was there); a changed file is named too; nothing is rebuilt."""
+    copy = tmp_path / "world"
+    shutil.copytree(tiny_dir, copy)
+    (copy / "proxy" / "model.safetensors").unlink()
+    result = run_script("--model", "tiny", "--tiny_dir", str(copy), "--output_dir", str(tmp_path / "run"), timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "proxy/model.safetensors is missing" in result.stderr and "python tiny_world.py tldr" in result.stderr
+    assert not (copy / "proxy" / "model.safetensors").exists() and not (tmp_path / "run").exists()
+    shutil.copy(os.path.join(tiny_dir, "proxy", "model.safetensors"), copy / "proxy")
+    with open(copy / "data" / "validation.jsonl", "a") as f:
+        f.write("\n")
+    with pytest.raises(SystemExit):
+        tiny_world.tldr_world(str(copy))
+    assert "data/validation.jsonl is not the file this world was built with" in capsys.readouterr().err
