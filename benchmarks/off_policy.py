@@ -40,6 +40,9 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+import tiny_world  # noqa: E402
+
 SCRIPTS = {"dpo": ("async_dpo.py", []), "ppo": ("async_ppo.py", []), "rloo": ("async_rloo.py", []),  # (flags)
            "bo2_sft": ("async_dpo.py", ["--loss", "best_of_k_sft"]), "copg": ("async_rloo.py", ["--loss", "copg"])}
 Algorithm = Literal["dpo", "ppo", "rloo", "bo2_sft", "copg"]
@@ -66,7 +69,7 @@ class Args:
     """N at which CoPG-style RLOO runs (the paper's Figure 13: N in {1, 4, 16})"""
     correction_n_values: list[int] = field(default_factory=lambda: [16, 64])
     """N at which PPO and RLOO also run with --recompute_old_logprobs --is_correction truncate"""
-    tiny_dir: str = "~/.cache/async-rlhf/tiny-v3"
+    tiny_dir: str = tiny_world.SHIPPED["tldr"]
     """the tiny world (built there if missing)"""
     plot_dir: str = HERE
     """where the three plots go"""
@@ -74,8 +77,8 @@ class Args:
     """where each run's folder (metrics.jsonl, generator log) goes, kept (a run already finished there is read
     back, not run again); default: a temporary folder, deleted after"""
     quick: bool = False
-    """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT and CoPG at N = 2; one seed, 256 episodes:
-    checks that the benchmark works, measures nothing"""
+    """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT and CoPG at N = 2; one seed, 128 episodes,
+    evaluations on 64 prompts: checks that the benchmark works, measures nothing"""
 
 
 IS_METRICS = ("is/weight_min", "is/weight_max", "is/ess_fraction", "is/changed_fraction")
@@ -133,7 +136,7 @@ def fmt(values: list[float], digits: int = 3) -> str:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.quick:
-        args.algorithms, args.n_values, args.seeds, args.total_episodes = ["dpo"], [1, 2], args.seeds[:1], 256
+        args.algorithms, args.n_values, args.seeds, args.total_episodes = ["dpo"], [1, 2], args.seeds[:1], 128
     for n in args.n_values:
         if n <= 0 or args.total_episodes % (args.batch_size * n):
             sys.exit(f"--n_values: each N must be positive and divide --total_episodes {args.total_episodes} into "
@@ -148,6 +151,8 @@ if __name__ == "__main__":
         points = [(a, n, v) for a, n, v in points if v == "plain"]
         points += [("rloo", 2, "corrected"), ("bo2_sft", 2, "plain"), ("copg", 2, "plain")]
 
+    # (--quick: the evaluations on 64 prompts, the first and the final)
+    quick_evaluations = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"] if args.quick else []
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="off_policy_")
     runs, sweep_start = {}, time.time()
     try:
@@ -158,7 +163,8 @@ if __name__ == "__main__":
                 runs[algorithm, n, variant, seed] = train(script, [
                     "--tiny_dir", args.tiny_dir, "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes",
                     str(args.total_episodes), "--batch_size", str(args.batch_size), "--eval_every", "0", *flags,
-                    *VARIANTS[variant][0]], os.path.join(runs_dir, name), args.total_episodes // args.batch_size,
+                    *VARIANTS[variant][0], *quick_evaluations], os.path.join(runs_dir, name),
+                    args.total_episodes // args.batch_size,
                     f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)")
     finally:
         if args.runs_dir is None:

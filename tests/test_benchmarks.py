@@ -13,8 +13,10 @@ def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
     `timeline/*` every script logs: the generator's and the learner's phases in order, overlapping only in the
     asynchronous run."""
     plot, runs = tmp_path / "plot.png", tmp_path / "runs"
-    result = run_script("--steps", "6", "--warmup_steps", "1", "--cache_dir", str(tmp_path / "model"), "--plot_path",
-                        str(plot), "--runs_dir", str(runs), script=os.path.join("benchmarks", "async_vs_sync.py"))
+    # (a smaller model than the benchmark's and shorter completions: the schedule, not the speed, is under test)
+    result = run_script("--steps", "6", "--warmup_steps", "1", "--hidden_size", "128", "--num_layers", "2",
+                        "--response_length", "32", "--cache_dir", str(tmp_path / "model"), "--plot_path", str(plot),
+                        "--runs_dir", str(runs), script=os.path.join("benchmarks", "async_vs_sync.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "speedup=" in result.stdout and "ideal=" in result.stdout and "speedup_vs_sync_hf=" in result.stdout
     assert plot.stat().st_size > 1000
@@ -90,14 +92,23 @@ def test_gpu_check_prints_the_memory_table():
 
 
 def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
-    plot = tmp_path / "plot.png"
-    result = run_script("--quick", "--tiny_dir", gsm8k_dir, "--plot_path", str(plot),
+    """benchmarks/gsm8k_async_vs_sync.py --quick: the table (both schedules, both evaluation splits) and the plot; the
+    asynchronous run one step stale after its first step, the synchronous (`gsm8k_async_dpo.py --sync`) on-policy at
+    every step, its generator's log-probs the learner's."""
+    plot, runs = tmp_path / "plot.png", tmp_path / "runs"
+    result = run_script("--quick", "--tiny_dir", gsm8k_dir, "--plot_path", str(plot), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "gsm8k_async_vs_sync.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| async | 1 |" in result.stdout and "| sync | 1 |" in result.stdout and "speed-up" in result.stdout
     assert "| [0, 1] |" in result.stdout and "| [0] |" in result.stdout  # the staleness each schedule produced
     assert "| async | 1 | unseen facts |" in result.stdout  # both evaluation splits
     assert plot.stat().st_size > 1000
+    asynchronous, _ = read_metrics(runs / "async1", step_metric="loss/dpo", eval_metric="eval/pass_at_1")
+    synchronous, evals = read_metrics(runs / "sync1", step_metric="loss/dpo", eval_metric="eval/pass_at_1")
+    assert [r["staleness"] for r in asynchronous] == [0, 1, 1, 1, 1]
+    assert [r["staleness"] for r in synchronous] == [0] * 5
+    assert all(abs(r["logps/generator_gap"]) < 1e-4 for r in synchronous)
+    assert [r["step"] for r in evals] == [0, 2, 4, 5] and evals[-1]["eval/num_prompts"] == 40
 
 
 def test_off_policy_quick(tiny_dir, tmp_path):
@@ -118,15 +129,15 @@ def test_off_policy_quick(tiny_dir, tmp_path):
         lag_kl, update = (float(cell.split(" ± ")[0]) for cell in row.split(" | ")[7:9])
         assert lag_kl > 0 and update > 0, row
     corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
-    assert len(corrected) == 256 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
+    assert len(corrected) == 128 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
     for name in ("off_policy_frontier.png", "off_policy_by_n.png", "off_policy_by_lag.png"):
         assert (tmp_path / name).stat().st_size > 1000
     for n in (1, 2):
         steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
-        assert len(steps) == 256 // 16  # (the sweep's batch: 16 prompts a step)
+        assert len(steps) == 128 // 16  # (the sweep's batch: 16 prompts a step)
         final, n_prompts = evals[-1], evals[-1]["eval/num_prompts"]  # the table's figure: the final evaluation's
         assert final["step"] == len(steps) and (2 * final["eval/gold_win_rate"] * n_prompts).is_integer()
-        assert [r["staleness"] for r in steps] == ([0] + [1] * 15 if n == 1 else [0, 1] + [2, 3] * 7)
+        assert [r["staleness"] for r in steps] == ([0] + [1] * 7 if n == 1 else [0, 1] + [2, 3] * 3)
         for r in steps:
             position = (r["step"] - 1) % n  # the mini-batch's place in its round
             assert r["staleness"] == (position if r["round"] == 0 else n + position), r

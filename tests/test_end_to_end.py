@@ -117,7 +117,9 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     assert "Failed to load weights" in (out / "generator.log").read_text()
 
 
-SHORT_RUN = ("--total_episodes", "192", "--eval_every", "3", "--num_eval_prompts", "16")
+# 6 steps, evaluated at 0, 3 and 6 on 65 prompts and finally on 129: over two learner ranks, shares one prompt apart
+SHORT_RUN = ("--total_episodes", "192", "--eval_every", "3", "--num_eval_prompts", "65", "--num_final_eval_prompts",
+             "129")
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,11 @@ def single_process_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, sharding):
     """Two learner ranks on CPU (gloo), DDP or FSDP2; rank 0 owns the generator and shares batches. Same seed, same
-    trajectory as one process: the ranks really split one batch and average their gradients."""
+    trajectory as one process: the ranks really split one batch and average their gradients. The evaluations' 65
+    prompts (33 and 32 a rank) and the final one's 129 (65 and 64) are all scored, none dropped to make the shares
+    equal; under FSDP2 every forward of a sharded model is a collective, and the rank with 64 prompts (two whole
+    chunks of 32) runs as many forwards as the one with 65 (three): the ranks' collectives used to fall out of step
+    there (gloo aborted rank 1; NCCL would hang)."""
     out = tmp_path / "run"
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN,
                         *(["--fsdp", "--save_model"] if sharding == "fsdp" else []),
@@ -142,7 +148,7 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
     steps, evals = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
-    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert [r["step"] for r in evals] == [0, 3, 6] and [r["eval/num_prompts"] for r in evals] == [65, 65, 129]
     single_steps, single_evals = single_process_run
     for key in ("reward/mean", "loss/dpo", "logps/chosen"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3)

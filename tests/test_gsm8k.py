@@ -107,13 +107,3 @@ def test_tiny_gsm8k_demo_learns_with_staleness_one(gsm8k_dir, tmp_path):
     assert evals[0]["eval/pass_at_1"] == pytest.approx(world["sft_test_pass_at_1"], abs=0.03)
     assert evals[-1]["eval/pass_at_1"] - evals[0]["eval/pass_at_1"] > evals[0]["eval/pass_at_1_stderr"]
     assert "pass@1" in console and "test_unseen_facts" in console
-
-
-def test_sync_schedule_is_on_policy(gsm8k_dir, tmp_path):
-    """--sync: each batch is generated with the weights it trains (staleness 0, the generator's log-probs match)."""
-    steps, evals, _ = run_gsm8k(gsm8k_dir, tmp_path / "run", "--sync", "--total_episodes", "192", "--eval_every",
-                                "3", "--num_eval_prompts", "40")
-    assert [r["staleness"] for r in steps] == [0] * 6
-    assert all(abs(r["logps/generator_gap"]) < 1e-4 for r in steps)
-    assert [r["step"] for r in evals] == [0, 3, 6] and evals[-1]["eval/num_prompts"] == 400
-

@@ -170,28 +170,33 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
 
 
-def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):
+# The paper code's recomputed pi_old, the truncated correction on top, gradient checkpointing: one run for the test
+# below, and the single process the two learner ranks must follow
+SHORT_CORRECTED_RUN = (*SHORT_RUN, "--recompute_old_logprobs", "--gradient_checkpointing", "True", "--is_correction",
+                       "truncate")
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
+    return run_ppo(tiny_dir, tmp_path_factory.mktemp("single"), *SHORT_CORRECTED_RUN)
+
+
+def test_recomputed_old_logprobs_hide_the_staleness(single_process_run):
     """The paper code's pi_old, recomputed by the learner just before its update: the ratio is 1 at every step
     although the batch was sampled by weights a step behind (the generator gap says so)."""
-    steps, _ = run_ppo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs",
-                       "--gradient_checkpointing", "True", "--is_correction", "truncate")
+    steps, _ = single_process_run
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(abs(r["policy/ratio_mean"] - 1) < 1e-5 and r["policy/approx_kl"] < 1e-9 for r in steps)
     assert all(abs(r["logps/generator_gap"]) > 1e-4 for r in steps[1:])
     assert_importance_weights_start_at_one(steps)  # (the truncated correction on top: w = 1 at step 1)
 
 
-@pytest.fixture(scope="module")
-def single_process_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
-    return run_ppo(tiny_dir, tmp_path_factory.mktemp("single"), *SHORT_RUN)
-
-
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, sharding):
     """Two learner ranks, policy and value model under one DDP or FSDP2 wrapper: same seed, same trajectory as one
     process (advantages are whitened over the whole batch, losses averaged over all ranks' tokens)."""
-    steps, evals = run_ppo(tiny_dir, tmp_path / "run", *SHORT_RUN, *(["--fsdp"] if sharding == "fsdp" else []),
-                           launcher=TORCHRUN_2)
+    steps, evals = run_ppo(tiny_dir, tmp_path / "run", *SHORT_CORRECTED_RUN,
+                           *(["--fsdp"] if sharding == "fsdp" else []), launcher=TORCHRUN_2)
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert [r["step"] for r in evals] == [0, 3, 6]
     single_steps, single_evals = single_process_run
@@ -208,7 +213,8 @@ def test_the_lag_update_is_the_policys_step_alone(tiny_dir, tmp_path):
                        "--num_final_eval_prompts", "8", "--save_model")
     before = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft")).parameters()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model").parameters()
-    delta, norm = zip(*[((a - b).double().norm() ** 2, b.double().norm() ** 2) for a, b in zip(after, before)])
+    with torch.no_grad():
+        delta, norm = zip(*[((a - b).double().norm() ** 2, b.double().norm() ** 2) for a, b in zip(after, before)])
     assert len(steps) == 1 and steps[0]["lag/update"] == pytest.approx(math.sqrt(sum(delta) / sum(norm)), rel=1e-4)
 
 

@@ -184,22 +184,27 @@ def test_importance_statistics_stay_finite_when_every_weight_underflows(script):
     assert all(math.isfinite(v) for v in stats.values()) and stats["is/ess_fraction"] == pytest.approx(1.0)
 
 
-def test_recomputed_old_logprobs_hide_the_staleness(tiny_dir, tmp_path):
+# K = 4 with the paper code's recomputed pi_old and the truncated correction on top: one run for the tests below,
+# and the single process the two learner ranks must follow
+SHORT_CORRECTED_RUN = (*SHORT_RUN, "--num_samples", "4", "--recompute_old_logprobs", "--whiten_advantages",
+                       "--is_correction", "truncate")
+
+
+@pytest.fixture(scope="module")
+def four_samples_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
+    return run_rloo(tiny_dir, tmp_path_factory.mktemp("k4"), *SHORT_CORRECTED_RUN)
+
+
+def test_recomputed_old_logprobs_hide_the_staleness(four_samples_run):
     """The paper code's pi_old: the ratio is 1 at every step although the batch was sampled a step behind. With the
     sampler's truncated importance weight w = pi_old / mu on top: w is 1 at step 1 (same weights, float32 on both
     sides) and departs from 1 only through staleness after it."""
-    steps, _ = run_rloo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--recompute_old_logprobs", "--whiten_advantages",
-                        "--is_correction", "truncate")
+    steps, _ = four_samples_run
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(abs(r["policy/ratio_mean"] - 1) < 1e-5 and r["policy/approx_kl"] < 1e-9 for r in steps)
     assert all(abs(r["logps/generator_gap"]) > 1e-4 for r in steps[1:])
     assert_importance_weights_start_at_one(steps)
 
-
-
-@pytest.fixture(scope="module")
-def four_samples_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
-    return run_rloo(tiny_dir, tmp_path_factory.mktemp("k4"), *SHORT_RUN, "--num_samples", "4")
 
 
 def test_four_samples_per_prompt(four_samples_run):
@@ -210,9 +215,9 @@ def test_four_samples_per_prompt(four_samples_run):
 
 
 def test_torchrun_two_learner_processes(tiny_dir, tmp_path, four_samples_run):
-    """Two learner ranks under DDP: same seed, same trajectory as one process."""
-    steps, evals = run_rloo(tiny_dir, tmp_path / "run", *SHORT_RUN, "--num_samples", "4",
-                            launcher=TORCHRUN_2)
+    """Two learner ranks under DDP: same seed, same trajectory as one process (pi_old recomputed by each rank's
+    learner, the advantages whitened over both ranks' completions)."""
+    steps, evals = run_rloo(tiny_dir, tmp_path / "run", *SHORT_CORRECTED_RUN, launcher=TORCHRUN_2)
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     single_steps, single_evals = four_samples_run
     for key in ("reward/mean", "loss/policy", "objective/kl", "advantage/std", "policy/ratio_max"):

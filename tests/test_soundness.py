@@ -1,12 +1,9 @@
 """What real sizes and real tokenizers need, checked on CPU: prompts start with BOS where the tokenizer adds one,
-float16 training is refused, the final evaluation waits for the one in flight, and an evaluation split that does
-not divide over the learner processes is scored whole."""
+float16 training is refused. (An evaluation split that does not divide over the learner processes, scored whole:
+tests/test_end_to_end.py; the final evaluation's wait for the one in flight: tests/test_shutdown.py.)"""
 import importlib
 
 import pytest
-from conftest import TORCHRUN_2, run_script
-from test_end_to_end import read_metrics
-from test_shutdown import long_prompts  # noqa: F401 (a fixture)
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -39,42 +36,3 @@ def test_float16_training_is_refused(script, capsys):
     with pytest.raises(SystemExit):
         module.resolve_args(module.Args(dtype="float16"))
     assert "--dtype float16" in capsys.readouterr().err
-
-
-def test_final_evaluation_waits_for_the_one_in_flight(tiny_dir, long_prompts, tmp_path):  # noqa: F811
-    """An evaluation requested in the last round (step 3 of 4) takes far longer to generate (512 long prompts) than
-    the round's training (4 prompts): the learner scores it before it rewrites the weight buffer for the final one."""
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), "--dataset",
-                        long_prompts, "--max_prompt_length", "400", "--total_episodes", "16", "--batch_size", "4",
-                        "--per_device_train_batch_size", "4", "--eval_every", "3", "--num_eval_prompts", "512")
-    assert result.returncode == 0, result.stderr[-3000:]
-    steps, evals = read_metrics(str(tmp_path))
-    assert [r["step"] for r in evals] == [0, 3, 4]
-    in_flight, final = evals[1], evals[2]
-    assert in_flight["timeline/eval_generation_end"] > steps[-1]["timeline/training_end"]  # it was still running
-    assert final["timeline/eval_queued_start"] >= in_flight["timeline/eval_generation_end"]
-
-
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_uneven_evaluation_split_is_scored_whole(tiny_dir, tmp_path, sharding):
-    """129 final prompts over 2 learner processes: 65 and 64, all scored (none dropped to make the shares equal).
-    Under FSDP2 every forward of a sharded model is a collective: the rank with 64 prompts (two whole chunks of 32)
-    runs as many forwards as the one with 65 (three), and so for the 33 and 32 of the first evaluation (the ranks'
-    collectives used to fall out of step: gloo aborted rank 1, NCCL would hang)."""
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), "--total_episodes",
-                        "64", "--eval_every", "0", "--num_eval_prompts", "65", "--num_final_eval_prompts", "129",
-                        *(["--fsdp"] if sharding == "fsdp" else []), launcher=TORCHRUN_2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    _, evals = read_metrics(str(tmp_path))
-    assert [r["eval/num_prompts"] for r in evals] == [65, 129]
-
-
-def test_sync_baseline_under_torchrun(tiny_dir, tmp_path):
-    """Every rank takes the engine's "ready" message, not only the rank that owns the generator (a second rank used
-    to read it as the first evaluation and fail)."""
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path), "--total_episodes",
-                        "64", "--num_eval_prompts", "16", script="sync_baseline.py",
-                        launcher=TORCHRUN_2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    steps, evals = read_metrics(str(tmp_path))
-    assert [r["staleness"] for r in steps] == [0, 0] and [r["step"] for r in evals] == [0, 2]

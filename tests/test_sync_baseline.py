@@ -47,15 +47,17 @@ def test_transformers_generation_under_torchrun_learns_and_saves_every_final_com
                                            for c in completions)
 
 
-def test_sync_baseline_num_mini_batches_staleness(tiny_dir, tmp_path):
-    """N=2: two mini-batches generated with one set of weights, then two optimizer steps on them."""
+def test_sync_baseline_num_mini_batches_staleness_under_torchrun(tiny_dir, tmp_path):
+    """N=2: two mini-batches generated with one set of weights, then two optimizer steps on them; on two learner
+    ranks, every one of which takes the engine's "ready" message (not only the rank that owns the generator: a
+    second rank used to read it as the first evaluation and fail)."""
     out = tmp_path / "run"
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), "--total_episodes",
-                        "192", "--num_mini_batches", "2", "--num_eval_prompts", "16", script="sync_baseline.py")
+                        "192", "--num_mini_batches", "2", "--num_eval_prompts", "16", "--eval_every", "2",
+                        script="sync_baseline.py", launcher=TORCHRUN_2)
     assert result.returncode == 0, result.stderr[-3000:]
-    steps, _ = read_metrics(str(out))
-    assert [r["staleness"] for r in steps] == [0, 1, 0, 1, 0, 1]
+    steps, evals = read_metrics(str(out))
+    assert [r["staleness"] for r in steps] == [0, 1, 0, 1, 0, 1] and [r["step"] for r in evals] == [0, 2, 4, 6]
     # the lag follows: KL(mu || pi) ~0 on the batch of the step's own weights, far above that one step later
     fresh, stale = [r["lag/kl"] for r in steps[::2]], [r["lag/kl"] for r in steps[1::2]]
     assert max(fresh) < 1e-8 and min(stale) > 100 * max(fresh)
-

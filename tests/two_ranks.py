@@ -84,18 +84,20 @@ def generator_dies_during_a_request(folder: str) -> None:
 
 def one_run_name(folder: str) -> None:
     """Each rank resolves the flags on its own clock, rank 1 a second after rank 0 (ranks that straddle a second),
-    then starts the run: both must log to rank 0's folder, where a checkpoint's shards meet."""
+    then starts the run: both must log to rank 0's folder, where a checkpoint's shards meet. Each rank writes the
+    folder it resolved and the one it logs to in rank{RANK}.txt (the ranks' console lines can interleave)."""
     from async_dpo import MAY_DIFFER_ON_RESUME, Args, resolve_args
 
     os.chdir(folder)  # the default --output_dir is runs/{run_name}, relative
     if os.environ["RANK"] == "1":
         time.sleep(1.1)
     args = resolve_args(Args(model="pythia-410m"))  # (a preset: resolving it downloads nothing)
-    print(f"rank {args.rank} resolved {args.output_dir}", flush=True)
+    resolved = args.output_dir
     core.init_learner_group(use_cuda=False)
     with contextlib.ExitStack() as cleanup:
         launch.start_run(args, cleanup, MAY_DIFFER_ON_RESUME)
-    print(f"rank {args.rank} logs to {args.output_dir}", flush=True)
+    with open(f"rank{args.rank}.txt", "w") as report:
+        report.write(f"{resolved}\n{args.output_dir}\n")
     torch.distributed.destroy_process_group()
 
 
