@@ -139,6 +139,7 @@ if __name__ == "__main__":
     fig.suptitle(f"python {args.script} --model tiny")
     fig.tight_layout()
     algorithm = os.path.splitext(args.script)[0].split("_")[-1]
+    os.makedirs(args.plot_dir, exist_ok=True)
     demo_plot = os.path.join(args.plot_dir, "tiny_demo.png" if algorithm == "dpo" else f"tiny_demo_{algorithm}.png")
     fig.savefig(demo_plot, dpi=90)
     print(f"plot saved to {demo_plot}")
