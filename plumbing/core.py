@@ -1,6 +1,7 @@
 """What every run passes through and a reader need not study: checks of the flags (errors that name
 the flag or file), loading models, tokenizers and data, the run's fixed facts, devices and learner
 processes, the collectives between learner ranks, and prompt tokens."""
+import hashlib
 import math
 import os
 import sys
@@ -80,13 +81,14 @@ def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_res
         fail(f"--dataset {dataset}: unsupported file type (use .jsonl, .json, .parquet or .csv)")
     if not os.path.exists(dataset) and ("/" not in dataset or dataset.startswith((".", "/", "~"))):
         fail(f"--dataset {dataset}: no such file or folder")
+    cache_dir = local_cache_dir(dataset) if os.path.exists(dataset) else None
     try:
         if os.path.isfile(dataset):
-            split = datasets.load_dataset(kind, data_files=dataset)["train"]
+            split = datasets.load_dataset(kind, data_files=dataset, cache_dir=cache_dir)["train"]
             split = split.train_test_split(0.05, seed=seed)
             splits = {names[0]: split["train"], names[1]: split["test"]}
         else:
-            splits = datasets.load_dataset(dataset, config)
+            splits = datasets.load_dataset(dataset, config, cache_dir=cache_dir)
     except Exception as e:  # offline hub names, unreadable files
         fail(f"--dataset {dataset}: could not be loaded "
              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
@@ -109,6 +111,16 @@ def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_res
             fail(f"--dataset {dataset}: the {split} split has {len(splits[split])} prompt(s), fewer than "
                  f"the {learners} learner processes: each evaluates a share of it")
     return tuple(splits[name] for name in names)
+
+
+def local_cache_dir(dataset: str) -> str:
+    """`datasets`' cache for a local file or folder, named by its files' paths, sizes and modification times. Left
+    to itself, `datasets` names the cache of a folder whose card lists its splits by the file names alone: a world
+    rebuilt in place (or any folder whose files changed) would load its old rows."""
+    files = [dataset] if os.path.isfile(dataset) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(dataset) for name in names)
+    stamp = repr([(os.path.relpath(f, dataset), os.path.getsize(f), os.path.getmtime(f)) for f in files])
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "local", hashlib.sha256(stamp.encode()).hexdigest()[:16])
 
 
 def hub_snapshot(flag: str, path: str, revision: Optional[str]) -> str:

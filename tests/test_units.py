@@ -378,3 +378,19 @@ def test_a_resume_compares_hub_models_by_repository_and_commit_not_by_cache_path
     with pytest.raises(SystemExit):
         checkpoint.check_same_run(here, {"resume_from"})
     assert "its run had --sft_model_path /home/alice/.cache" in capsys.readouterr().err
+
+
+def test_a_dataset_folder_rewritten_in_place_loads_its_new_rows(tmp_path):
+    """A folder whose card names its splits by file (as every world's `data/` does) and whose files are then rewritten,
+    as a world rebuilt in place is: the new rows load, not the ones `datasets` cached from the old files (it did:
+    its cache was named by the card's file names alone)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                      "    path: train.jsonl\n  - split: test\n    path: test.jsonl\n---\n")
+    for rows in (2, 3):
+        for split in ("train", "test"):
+            (folder / f"{split}.jsonl").write_text("".join(f'{{"query": "q{i}", "reference_response": "r"}}\n'
+                                                           for i in range(rows)))
+        train, test = core.load_prompt_splits(str(folder), 1, names=("train", "test"))
+        assert len(train) == len(test) == rows
