@@ -64,13 +64,15 @@ SFT_WIN_RATE_RANGE = (0.17, 0.43)
 SFT_STEPS, SFT_SEEDS, SFT_SNAPSHOTS = 90, 8, (85, 80, 75, 70)  # see build_tldr, step 3
 PROXY_AGREEMENT = 0.8  # the proxy trains until it orders this share of held-out pairs as the gold model does
 WORLDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds")
-SHIPPED = {"tldr": os.path.join(WORLDS, "tldr-v3"), "gsm8k": os.path.join(WORLDS, "gsm8k-v2")}  # --tiny_dir's default
+SHIPPED = {"tldr": os.path.join(WORLDS, "tldr-v3"), "gsm8k": os.path.join(WORLDS, "gsm8k-v2"),  # --tiny_dir's default
+           "chains": os.path.join(WORLDS, "chains-v1")}
 CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks a world by hand
 NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every file)
     "tldr": ("world.json", "data/train.jsonl", "data/validation.jsonl", "sft/model.safetensors",
              "proxy/model.safetensors", "gold/model.safetensors"),
     "gsm8k": ("world.json", "data/train.jsonl", "data/test.jsonl", "data/test_unseen_facts.jsonl",
               "sft/model.safetensors"),
+    "chains": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
 }
 
 
@@ -438,6 +440,14 @@ def tldr_world(tiny_dir: str) -> tuple[str, str, str, str, str]:
     tiny_dir = os.path.expanduser(tiny_dir)
     digest = check_world(tiny_dir, "tldr")
     return (*(os.path.join(tiny_dir, name) for name in ("sft", "proxy", "data", "gold")), digest)
+
+
+def chains_world(tiny_dir: str) -> tuple[str, str, str]:
+    """The long-tailed chains world in `tiny_dir`, checked: the SFT policy's and the dataset's folders, and the
+    world's hash."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    digest = check_world(tiny_dir, "chains")
+    return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data"), digest
 
 
 def gsm8k_world(tiny_dir: str) -> tuple[str, str, str]:
@@ -865,15 +875,123 @@ def build_gsm8k_here(tiny_dir: str, quick: str = "0") -> None:
     progress(f"built: greedy pass@1 {report['sft_test_pass_at_1']:.2f} on the test split; saved in {tiny_dir}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The long-tailed chains (`fully_async_grpo.py --model tiny`)
+# ---------------------------------------------------------------------------------------------------------------
+CHAIN_MOVES = {"+": ("{n} gets {b} more.", "{n} finds {b}."), "-": ("{n} gives {b} away.", "{n} loses {b}.")}
+CHAIN_LONGEST = 12  # steps a chain may take
+
+
+def chain_steps(rng: random.Random) -> int:
+    """How many steps a chain takes: 1, then one more with probability 1/2 each time (a geometric tail), so half
+    the problems take one step, one in 64 takes seven or more: most worked solutions are short, a few long."""
+    steps = 1
+    while steps < CHAIN_LONGEST and rng.random() < 0.5:
+        steps += 1
+    return steps
+
+
+def make_chain_problem(rng: random.Random) -> dict:
+    """A GSM8k-shaped row (`question`, `answer`: one worked line per step, then "#### N") of a chain of additions
+    and subtractions that keeps its count between 0 and 99, and its number of steps."""
+    name, item, value, steps = rng.choice(MATH_NAMES), rng.choice(MATH_ITEMS), rng.randint(1, 30), chain_steps(rng)
+    sentences, lines = [f"{name} has {value} {item}."], []
+    for _ in range(steps):
+        operation = "-" if value > 1 and (value > 79 or rng.random() < 0.5) else "+"
+        b = rng.randint(1, min(20, value - 1)) if operation == "-" else rng.randint(1, 20)
+        new = value + b if operation == "+" else value - b
+        sentences.append(rng.choice(CHAIN_MOVES[operation]).format(n=name, b=b))
+        lines.append(f"{value} {operation} {b} = {new}.")
+        value = new
+    question = " ".join(sentences) + f" How many {item} does {name} have now?"
+    return {"question": question, "answer": "\n".join(lines) + f"\n#### {value}", "steps": steps}
+
+
+def build_chains(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
+    """Build the long-tailed chains world into `tiny_dir` unless one is there: chains of 1 to 12 additions and
+    subtractions (`chain_steps`: half take one step), GSM8k's columns, the GSM8k miniature's tokenizer recipe (every
+    digit a token of its own) and a GPT-NeoX SFT policy (hidden 128, 4 layers) trained on the worked solutions. A
+    completion's length grows with its chain's steps, so its lengths have a long tail: the task of the fully
+    asynchronous pipeline, where a synchronous batch waits for its longest completion. `quick`: the same layout
+    from a tenth of the problems and 20 SFT steps (the tests' check of the builder). Returns the SFT policy's and
+    the dataset's folders."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
+    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
+        build_in_own_process("chains", tiny_dir, str(int(quick)))
+    return paths
+
+
+def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
+    """The chains world's build itself (build_chains runs it in a child process)."""
+    import transformers
+    from transformers import GPTNeoXConfig
+
+    transformers.utils.logging.disable_progress_bar()
+    quick = bool(int(quick))
+    progress = Progress("the long-tailed chains" + " (quick)" * quick, tiny_dir)
+    sft_steps, scale = (20, 10) if quick else (CHAIN_SFT_STEPS, 1)
+    with deterministic(0) as rng:
+        train = [make_chain_problem(rng) for _ in range(12000 // scale)]
+        questions = {r["question"] for r in train}
+        test, test_rng = [], random.Random(1)
+        while len(test) < 400 // scale:
+            row = make_chain_problem(test_rng)
+            if row["question"] not in questions:  # (a new question; its steps' facts are training's, mostly)
+                test.append(row)
+        digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100  # (no chain reaches 0: " 0" would get no token of its own)
+        tokenizer = build_math_tokenizer([r["question"] + " " + r["answer"] for r in train] + digits)
+        eos = tokenizer.eos_token_id
+        config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                               intermediate_size=512, max_position_embeddings=512, bos_token_id=eos,
+                               eos_token_id=eos)
+        sft_rows = [{"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
+                    for r in train]
+        progress("problems and tokenizer")
+
+        def every_100(step: int, _) -> None:
+            if step % 100 == 0 and step < sft_steps:
+                progress(f"SFT policy, step {step} of {sft_steps}")
+
+        policy = train_sft(config, tokenizer, sft_rows, seed=0, steps=sft_steps, lr=2e-3, batch_size=64,
+                           after_step=every_100)
+        progress(f"SFT policy, {sft_steps} steps")
+        report = {"quick": quick, "sft_steps": sft_steps, **chain_report(policy, tokenizer, test)}
+    save_world(tiny_dir, {"train": train, "test": test}, {"sft": policy}, tokenizer, report)
+    progress(f"built: greedy pass@1 {report['sft_test_pass_at_1']:.2f}, completion length p50 "
+             f"{report['sft_length_p50']:.0f} and p99 {report['sft_length_p99']:.0f} tokens; saved in {tiny_dir}")
+
+
+CHAIN_SFT_STEPS = 900  # (a probe of one thread: greedy pass@1 0.07, 0.12, 0.22 and 0.45 at 250, 500, 750 and 1000)
+
+
+def chain_report(policy, tokenizer, rows: list[dict]) -> dict:
+    """The SFT policy on `rows`: greedy pass@1 (overall and by the chain's steps) and its greedy completions'
+    length percentiles in tokens (the tail the fully asynchronous pipeline is for)."""
+    prompts = encode(tokenizer, [MATH_PROMPT.format(question=r["question"]) for r in rows])
+    completions = sample(policy, prompts, tokenizer.eos_token_id, 0.0, 128)
+    answers = [tokenizer.decode(c, skip_special_tokens=True).split("####")[-1].strip() for c in completions]
+    right = [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+    lengths = sorted(len(c) for c in completions)
+    by_steps = {}
+    for row, ok in zip(rows, right):
+        by_steps.setdefault(min(row["steps"], 6), []).append(ok)
+    return {"sft_test_pass_at_1": sum(right) / len(right),
+            "sft_pass_at_1_by_steps": {f"{s}{'+' * (s == 6)}": sum(v) / len(v) for s, v in sorted(by_steps.items())},
+            "sft_length_p50": lengths[len(lengths) // 2], "sft_length_p90": lengths[int(0.9 * len(lengths))],
+            "sft_length_p99": lengths[int(0.99 * len(lengths))]}
+
+
 if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--quick] [--base TLDR_FOLDER] (sized)
     if sys.argv[1:2] == ["--build"]:  # (build_in_own_process's child)
         kind, folder, *options = sys.argv[2:]
-        {"tldr": build_tldr_here, "gsm8k": build_gsm8k_here, "sized": build_sized_here}[kind](folder, *options)
+        {"tldr": build_tldr_here, "gsm8k": build_gsm8k_here, "chains": build_chains_here,
+         "sized": build_sized_here}[kind](folder, *options)
         sys.exit()
     import argparse
 
     parser = argparse.ArgumentParser(description="Build a toy world into a folder (nothing is built over one).")
-    parser.add_argument("kind", choices=["tldr", "gsm8k", "sized"])
+    parser.add_argument("kind", choices=["tldr", "gsm8k", "chains", "sized"])
     parser.add_argument("folder")
     parser.add_argument("--quick", action="store_true", help="the same layout on a fraction of the work (tests)")
     parser.add_argument("--base", default=SHIPPED["tldr"], help="sized: the TL;DR world the sizes are built beside")
@@ -881,5 +999,5 @@ if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--qu
     if cli.kind == "sized":
         build_sized(cli.folder, cli.base, cli.quick)
     else:
-        (build_tldr if cli.kind == "tldr" else build_gsm8k)(cli.folder, cli.quick)
+        {"tldr": build_tldr, "gsm8k": build_gsm8k, "chains": build_chains}[cli.kind](cli.folder, cli.quick)
     print(open(os.path.join(os.path.expanduser(cli.folder), "world.json")).read())

@@ -126,7 +126,7 @@ def layout(folder: str) -> set:
     return {os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names}
 
 
-@pytest.mark.parametrize("kind", ["tldr", "gsm8k"])
+@pytest.mark.parametrize("kind", ["tldr", "gsm8k", "chains"])
 def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
     """`python tiny_world.py KIND FOLDER --quick`, the builder's command on a fraction of the work: the same files as
     the world shipped in worlds/ (Hugging Face model folders, the dataset with its card, world.json with the same
@@ -144,7 +144,8 @@ def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
         for key in ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             assert configs[0][key] == configs[1][key], (model, key)
     assert open(folder / "data" / "README.md").read() == open(os.path.join(shipped, "data", "README.md")).read()
-    world = (tiny_world.tldr_world if kind == "tldr" else tiny_world.gsm8k_world)(str(folder))
+    world = {"tldr": tiny_world.tldr_world, "gsm8k": tiny_world.gsm8k_world, "chains": tiny_world.chains_world}[kind](
+        str(folder))
     assert world[-1] == tiny_world.file_hash(folder / tiny_world.CHECKSUMS) != tiny_world.check_world(shipped, kind)
 
 
