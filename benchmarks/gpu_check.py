@@ -9,7 +9,8 @@
       GPU 0 with vLLM, as on a one-GPU machine), reduce_sums and share over gloo, and DDP's gradient all-reduce over
       NCCL when there are two GPUs;
   (c) the weight hand-off to a spawned reader process through the scripts' shared buffer (CUDA IPC on a GPU),
-      checking that the reader sees each new version whole, never a mix of two;
+      checking that the reader sees each new version whole, never a mix of two; then the same through
+      fully_async_grpo.py's k + 1 weight slots;
   (e) loading under --fsdp (on the collectives' ranks): the models go to the GPU shard by shard as they load, and
       the device's peak while they do is printed beside the shards;
   (d) precision parity at step 0 (equal weights): DPO's first loss against ln 2, the reference's log-probs against
@@ -358,21 +359,27 @@ def one_step_args(script, rows: int):
 
 def reader_main(table: list, versions, replies) -> None:
     """(c) The generator's side of the hand-off: the buffer first, by the queue (as the scripts send it), then on
-    each new version, read the whole buffer the way the generator does (weights_from_buffer) and report the values
-    it saw."""
+    each new version, read the whole buffer (fully_async_grpo.py: the version's slot) the way the generator does
+    (weights_from_buffer) and report the values it saw."""
     buffer = versions.get()["weight_buffer"]
-    while (version := versions.get()) is not None:
-        seen = torch.cat([w.reshape(-1) for _, w in async_dpo.weights_from_buffer(buffer, table)])
+    while (message := versions.get()) is not None:
+        version, slot = message
+        seen = torch.cat([w.reshape(-1) for _, w in async_dpo.weights_from_buffer(
+            buffer if slot is None else buffer[slot], table)])
         replies.put((version, seen.min().item(), seen.max().item()))
 
 
-def weight_handoff(args: Args, device: torch.device) -> None:
-    """(c) Write versions 1..5 (every parameter set to the version number) and have a spawned reader check them."""
+def weight_handoff(args: Args, device: torch.device, slots: int = 0) -> None:
+    """(c) Write versions 1..5 (every parameter set to the version number) and have a spawned reader check them:
+    into the one buffer of the paper's scripts, or (`slots`) into slot version mod slots of fully_async_grpo.py's."""
     from transformers import AutoModelForCausalLM
 
+    import fully_async_grpo
+
     model = AutoModelForCausalLM.from_config(model_config(args.model), dtype=torch.float32).to(device)
-    table = async_dpo.weight_table(model)
-    buffer = async_dpo.make_weight_buffer(table, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    table, dtype = async_dpo.weight_table(model), torch.bfloat16 if device.type == "cuda" else torch.float32
+    buffer = (fully_async_grpo.make_weight_slots(table, slots, dtype, device) if slots
+              else async_dpo.make_weight_buffer(table, dtype, device))
     ctx = mp.get_context("spawn")
     versions, replies = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1)
     reader = ctx.Process(target=reader_main, args=(table, versions, replies))
@@ -383,13 +390,16 @@ def weight_handoff(args: Args, device: torch.device) -> None:
             with torch.no_grad():
                 for param in model.parameters():
                     param.fill_(version)
-            start = time.time()
-            async_dpo.write_weight_snapshot(model, buffer, table)  # must be complete before the reader is told
+            start, slot = time.time(), version % slots if slots else None
+            if slots:
+                fully_async_grpo.write_weight_snapshot(model, buffer[slot], table)
+            else:  # (both must be complete before the reader is told)
+                async_dpo.write_weight_snapshot(model, buffer, table)
             elapsed = time.time() - start
-            versions.put(version)
+            versions.put((version, slot))
             seen = replies.get(timeout=300)
-            print(f"(c) version {version}: snapshot {elapsed:.3f} s, reader saw values {seen[1]}..{seen[2]}",
-                  flush=True)
+            print(f"(c) version {version}{f' in slot {slot}' if slots else ''}: snapshot {elapsed:.3f} s, reader saw "
+                  f"values {seen[1]}..{seen[2]}", flush=True)
             assert seen == (version, version, version), f"the reader saw a mix of versions: {seen}"
         versions.put(None)
         reader.join(timeout=60)
@@ -526,6 +536,7 @@ if __name__ == "__main__":
     if device.type == "cuda":
         torch.cuda.empty_cache()
     weight_handoff(args, device)
+    weight_handoff(args, device, slots=3)  # (fully_async_grpo.py at k = 2)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     os.path.abspath(__file__), "--collectives_worker"], check=True)
     print("gpu_check: all checks passed")

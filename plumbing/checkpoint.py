@@ -30,7 +30,7 @@ def due(args, version: int) -> bool:
     (on any rank: all ranks agree)."""
     if not args.save_every:
         return False
-    steps = args.num_mini_batches * args.num_epochs
+    steps = getattr(args, "num_mini_batches", 1) * getattr(args, "num_epochs", 1)  # (a round's steps)
     is_due = version // args.save_every > (version - steps) // args.save_every or TERM.is_set()
     return reduce_max(float(is_due), args.world_size) > 0
 
@@ -115,8 +115,8 @@ def resume(args, learner, optimizer, scheduler, weight_buffer, metrics_file) -> 
     if metrics_file is not None:
         keep_metrics_covered(metrics_file, os.path.dirname(folder), saved["metrics_bytes"])
     if args.rank == 0:
-        print(f"resumed at step {saved['loop']['version']} (round {saved['loop']['round']})",
-              flush=True)
+        rounds = f" (round {saved['loop']['round']})" if hasattr(args, "num_rounds") else ""  # (a stream: none)
+        print(f"resumed at step {saved['loop']['version']}{rounds}", flush=True)
     return tuple(saved["loop"][key] for key in LOOP)
 
 

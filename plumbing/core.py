@@ -27,9 +27,9 @@ def check_flags(args, positive: tuple = ("temperature", "eval_temperature")) -> 
     for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size",
                  "num_epochs", "per_device_train_batch_size", "num_mini_batches",
                  "num_eval_prompts", "eval_response_length", "generator_cores", "lag_every", *positive):
-        if getattr(args, name) <= 0:
+        if getattr(args, name, 1) <= 0:  # (a script without N or T: one of each)
             fail(f"--{name} must be positive, got {getattr(args, name)}")
-    world_size, per_round = args.world_size, args.batch_size * args.num_mini_batches
+    world_size, per_round = args.world_size, args.batch_size * getattr(args, "num_mini_batches", 1)
     local, per_device = args.batch_size // world_size, args.per_device_train_batch_size
     for bad, message in [
         (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast "

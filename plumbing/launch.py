@@ -81,10 +81,11 @@ def start_run(args, cleanup: contextlib.ExitStack, may_differ: set):
     wandb_id = checkpoint.check_same_run(args, may_differ) if args.resume_from else None
     metrics_file = metrics.open_metrics(args, wandb_id)
     cleanup.callback(metrics.close_metrics, metrics_file, args.track)
-    if args.rank == 0:
-        print(f"run {args.run_name}: {args.num_steps} optimizer steps in {args.num_rounds} rounds "
-              f"of {args.batch_size * args.num_mini_batches} prompts x {args.num_samples} samples; "
-              f"metrics in {args.output_dir}/metrics.jsonl", flush=True)
+    if args.rank == 0:  # (a streaming run, fully_async_grpo.py, has steps but no rounds)
+        rounds = (f" in {args.num_rounds} rounds of {args.batch_size * args.num_mini_batches} prompts x "
+                  f"{args.num_samples} samples" if hasattr(args, "num_rounds") else "")
+        print(f"run {args.run_name}: {args.num_steps} optimizer steps{rounds}; metrics in "
+              f"{args.output_dir}/metrics.jsonl", flush=True)
     if args.world_hash and args.rank == 0:  # (--model tiny) the world every figure of the run comes from
         print(f"world {args.tiny_dir} ({args.world_hash[:12]})", flush=True)
     if args.world_hash and not args.resume_from:  # (a resumed run's metrics begin with its world's: the same)

@@ -182,3 +182,18 @@ def print_regime(metrics_file) -> None:
     if metrics_file is not None:
         with open(metrics_file.name) as lines:
             tqdm.write(regime([json.loads(line) for line in lines]))
+
+
+def idle_regime(learner_idle: float, generator_idle: float, elapsed: float, balanced: float = 1.2) -> str:
+    """The regime line of a streaming run (fully_async_grpo.py): the share of its training time each side waited
+    for the other, and what to change."""
+    learner, generator = learner_idle / max(elapsed, 1e-9), generator_idle / max(elapsed, 1e-9)
+    times = f"the learner waited {learner:.0%} of the run's {elapsed:.0f} s, the generator {generator:.0%}"
+    if learner > balanced * max(generator, 0.02):
+        return (f"regime: generation-bound: {times}. More samplers (or fewer learners), a larger --max_staleness, "
+                "or in-flight weight updates would keep the learner busy")
+    if generator > balanced * max(learner, 0.02):
+        return (f"regime: training-bound: {times}. More learners, or larger groups (--num_samples) for the same "
+                "steps, would keep the generator busy")
+    return f"regime: balanced (within {balanced}x): {times}"
+

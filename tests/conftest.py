@@ -33,9 +33,9 @@ def pytest_collection_modifyitems(items: list) -> None:
     """Longest test files first (the two test workers, pytest.ini, each take whole files; their times are in the
     durations each run lists at its end): the next file goes to the worker that finishes first, so both end close
     together. The quick files fill in at the end."""
-    first = ["test_benchmarks.py", "test_gsm8k.py", "test_resume.py", "test_ppo.py", "test_end_to_end.py",
-             "test_shutdown.py", "test_rloo.py", "test_sync_baseline.py", "test_tiny_world.py", "test_failures.py",
-             "test_chat.py", "test_reward_tokenizer.py"]
+    first = ["test_benchmarks.py", "test_gsm8k.py", "test_resume.py", "test_fully_async.py", "test_ppo.py",
+             "test_end_to_end.py", "test_shutdown.py", "test_rloo.py", "test_sync_baseline.py", "test_tiny_world.py",
+             "test_failures.py", "test_chat.py", "test_reward_tokenizer.py"]
     rank = {name: i for i, name in enumerate(first)}
     items.sort(key=lambda item: rank.get(item.path.name, len(first)))
 
@@ -83,6 +83,15 @@ def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 1800,
     several times slower."""
     return subprocess.run([*launcher, *([] if launcher else [sys.executable]), os.path.join(REPO, script), *flags],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def chains_dir() -> str:
+    """The long-tailed chains world shipped in worlds/ (fully_async_grpo.py's), checked as the others are."""
+    import tiny_world
+
+    tiny_world.chains_world(tiny_world.SHIPPED["chains"])
+    return tiny_world.SHIPPED["chains"]
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,26 @@ def test_tiny_curves_quick(tiny_dir, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_fully_async_demo_quick(chains_dir, tmp_path):
+    """The benchmark's short runs, read from their folders: at k = 4 no group trained on is staler than 4; `pace`
+    discards nothing, nor does `drop` at the default room (the room is the bound: docs/fully_async.md), while `drop`
+    with more room discards; a second invocation reads the finished runs instead of running them again."""
+    command = ("--quick", "--runs_dir", str(tmp_path / "runs"), "--plot_dir", str(tmp_path))
+    result = run_script(*command, script=os.path.join("benchmarks", "fully_async_demo.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gain from SFT" not in result.stdout and "staleness {" in result.stdout  # (one seed: no t-statistic)
+    discarded = {}
+    for run in ("pace_k4", "drop_k4", "drop_k4_room_2_(k_+_1)_B"):
+        steps = [json.loads(line) for line in open(tmp_path / "runs" / run / "metrics.jsonl")]
+        steps = [r for r in steps if "staleness/max" in r]
+        assert len(steps) == 6 and max(r["staleness/max"] for r in steps) <= 4, run
+        discarded[run] = steps[-1]["rollouts/discarded_total"]
+    assert discarded["pace_k4"] == discarded["drop_k4"] == 0 < discarded["drop_k4_room_2_(k_+_1)_B"]
+    assert (tmp_path / "fully_async_demo.png").stat().st_size > 1000
+    again = run_script(*command, script=os.path.join("benchmarks", "fully_async_demo.py"))
+    assert again.returncode == 0 and " ..." not in again.stdout, again.stdout
+
+
 def test_gpu_check_runs_on_the_cpu():
     """benchmarks/gpu_check.py checks the GPU code paths through the scripts' own functions; without a GPU it runs
     them on the CPU, which keeps it working until a GPU runs it."""

@@ -1,0 +1,874 @@
+"""Fully asynchronous GRPO: the asynchronous pipeline as current RL systems run it, on a verifiable task.
+
+Where async_dpo.py keeps one batch in flight (every step exactly one version stale), here the generator streams:
+it keeps many prompts' groups (a prompt's K samples) in its engine at once, stepping it by hand, and sends each group
+to the learner the moment its last completion ends, tagged with the weight version that sampled it. A bound keeps
+the data fresh enough: no group trains a learner more than --max_staleness k versions ahead of its sampler.
+  Generator (`generator_main`): admit a group while the bound allows (`pace`: only a group that will not arrive too
+    stale; `drop`: as many as the stream holds), step the engine, send each finished group; with nothing
+    mid-generation, load the newest version the learner published (its slot among k + 1).
+  Learner, step v of the loop in `main()`:
+    1. take B groups from the stream, each as it arrives (`drop`: discard those more than k versions old);
+    2. grade the completions (the verifier) and compute the group-relative advantages;
+    3. the proximal policy's log-probs: recomputed at the step's start, or the sampler's own;
+    4. a clipped, importance-weighted policy-gradient step;  5. ASYNC: publish version v + 1 in its slot;
+    6. log (the staleness, the stream and the lengths);  7. evaluate;  8. checkpoint.
+k = 0 is synchronous and on-policy. CPU demo: `python fully_async_grpo.py --model tiny`; docs/fully_async.md.
+"""
+import contextlib
+import math
+import os
+import queue
+import random
+import re
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import tiny_world
+from plumbing import checkpoint, core, generator_io, launch, metrics
+
+PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k")}  # --model: (SFT, dataset)
+PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the format the SFT policies were trained on
+# `--model tiny` swaps in defaults that train the shipped chains world's policy on 2 CPU cores in minutes.
+TINY_DEFAULTS = dict(
+    lag_every=1, learning_rate=1e-4, temperature=1.0, response_length=128, max_prompt_length=192,
+    total_episodes=6144, batch_size=64, per_device_train_batch_size=64, num_samples=4, eval_every=24,
+    num_eval_prompts=400, eval_response_length=128,
+)
+
+# Flags a resumed run may change: where and how it logs, and its evaluations (they draw no training
+# sample). Any other difference from the checkpoint's run is refused, naming the flag.
+MAY_DIFFER_ON_RESUME = {
+    "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "verbose", "tiny_dir",
+    "vllm_gpu_memory_utilization", "generator_cores", "gradient_checkpointing", "save_every", "resume_from",
+    "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
+    "eval_temperature", "eval_response_length"}
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (learner and vLLM sampling)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "async-rlhf"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team) name"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, the generator's log and the saved model go (default, filled in by
+    resolve_args: runs/{run_name}, or the resumed run's folder)"""
+    save_model: bool = False
+    """save the final policy and tokenizer with save_pretrained to {output_dir}/model"""
+    save_every: int = 0
+    """checkpoint every this many optimizer steps (0: never; then SIGTERM too)"""
+    resume_from: Optional[str] = None
+    """continue the run in this folder (or its checkpoint folder) where its checkpoint left it"""
+    verbose: bool = False
+    """show vLLM's own log on the console (by default it goes to {output_dir}/generator.log)"""
+
+    # Models and data
+    model: Literal["tiny", "rho-1b"] = "rho-1b"
+    """preset naming the SFT policy and dataset; `tiny`: the long-tailed chains world shipped in worlds/"""
+    sft_model_path: Optional[str] = None
+    """SFT policy (hub name or local folder) to train (default: the preset's)"""
+    dataset: Optional[str] = None
+    """problems with `question`, `answer` columns, `train`, `test` splits (hub or folder; default: the preset's)"""
+    dataset_config: Optional[str] = None
+    """the dataset's configuration on the hub (`main` for openai/gsm8k)"""
+    tiny_dir: str = tiny_world.SHIPPED["chains"]
+    """the chains world `--model tiny` runs on: the one in worlds/ (tiny_world.py builds others)"""
+
+    # The stream: how stale a group may be, and what happens to one that would be staler
+    max_staleness: int = 2
+    """k: a group trains the learner at most k versions after the version that sampled it (0: synchronous)"""
+    stale_policy: Literal["pace", "drop"] = "pace"
+    """`pace`: admit a group only if it cannot arrive staler than k; `drop`: admit while the stream has room, and
+    discard (and count) what arrives staler"""
+    max_in_flight: Optional[int] = None
+    """the stream's room: groups admitted and not yet taken by the learner, sampling or waiting (default, filled in
+    by resolve_args: (k + 1) B, the bound's own room: then `drop` never has to discard; more lets it run ahead)"""
+
+    # Algorithm specific arguments
+    learning_rate: float = 1e-6
+    """learning rate of AdamW, constant"""
+    num_samples: int = 8
+    """K: completions per prompt, a group; each one's advantage is relative to its group's"""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """`grpo`: (reward - group mean) / group std, each completion's tokens averaged; `dr_grpo`: reward - group mean,
+    every token summed over a constant (Dr. GRPO: no length or difficulty bias); `rloo`: reward - mean of the others"""
+    proximal: Literal["recompute", "behaviour"] = "recompute"
+    """the policy the ratio is clipped against: the learner's own at the step's start (`recompute`, decoupled PPO:
+    one more forward pass, and the sampler corrected by w = pi_prox / mu), or the sampler's (`behaviour`: bypass)"""
+    cliprange: float = 0.2
+    """clip range of the per-token ratio pi / pi_prox"""
+    is_cap: float = 2.0
+    """the importance weight w = pi_prox / mu is truncated to at most this (`recompute`)"""
+    temperature: float = 0.7
+    """sampling temperature; the learner divides its logits by it too, so its log-probs match the sampler's"""
+    response_length: int = 512
+    """maximum new tokens per completion"""
+    max_prompt_length: int = 512
+    """prompts longer than this keep their last tokens (where 'Solution:' sits)"""
+    total_episodes: int = 128_000
+    """completions to train on (K per prompt); discarded ones do not count"""
+    batch_size: int = 512
+    """completions per optimizer step (B groups of K), summed over all learner processes"""
+    per_device_train_batch_size: int = 16
+    """completions per forward pass on one learner device; gradient accumulation makes up the rest"""
+    max_grad_norm: Optional[float] = 1.0
+    """clip gradients to this norm (None: no clipping)"""
+    lag_every: int = 10
+    """log `lag/update`, the step's relative size, every this many steps (it copies the parameters to
+    host memory and back)"""
+
+    # Evaluation
+    eval_every: int = 16
+    """evaluate every this many optimizer steps (0: only before and after training)"""
+    num_eval_prompts: int = 1319
+    """test problems per evaluation during training"""
+    num_final_eval_prompts: Optional[int] = None
+    """test problems in the final evaluation (default: all)"""
+    eval_temperature: float = 0.0
+    """sampling temperature for evaluation (0: greedy, pass@1)"""
+    eval_response_length: int = 512
+    """maximum new tokens per evaluation completion"""
+
+    # Systems
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    """vLLM's dtype and the learner's autocast (default, filled in by resolve_args: bfloat16 on GPU,
+    float32 on CPU)"""
+    gradient_checkpointing: Optional[bool] = None
+    """recompute activations in the backward pass instead of storing them (default, filled in by
+    resolve_args: on; tiny: off)"""
+    vllm_gpu_memory_utilization: float = 0.9
+    """fraction of GPU 0's memory vLLM may use (lower it when the learner shares that GPU)"""
+    generator_cores: int = 1
+    """CPU runs only: cores reserved for the generator; the learner gets the rest"""
+    fsdp: bool = False
+    """under torchrun, shard the policy over the learners with FSDP2 (default: DDP)"""
+
+    # filled in at runtime by resolve_args, from the flags above
+    run_name: str = ""
+    """`{model}__{exp_name}__{seed}__{time}`"""
+    rank: int = 0
+    """this learner process's rank (torchrun); rank 0 talks to the generator"""
+    world_size: int = 1
+    """number of learner processes (torchrun)"""
+    groups_per_step: int = 0
+    """B: prompts (groups of K) per optimizer step"""
+    local_batch_size: int = 0
+    """completions per optimizer step on one learner process"""
+    gradient_accumulation_steps: int = 0
+    """forward passes per optimizer step on one learner process"""
+    num_steps: int = 0
+    """optimizer steps in total"""
+    world_hash: str = ""
+    """the tiny world's hash (SHA-256 of its SHA256SUMS), printed at the start and logged; empty for hub models"""
+
+
+def resolve_args(args: Args) -> Args:
+    """Args' runtime fields, right after parsing: the learner ranks, the schedule's sizes, the
+    precision, where the run logs, and the preset's models and data. It checks this script's own
+    flags (core.check_flags those every script has)."""
+    args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
+    for bad, message in [
+        (args.max_staleness < 0, f"--max_staleness must be 0 (synchronous) or more, got {args.max_staleness}"),
+        (args.num_samples < 2, f"--num_samples must be at least 2 (a group needs two), got {args.num_samples}"),
+        (args.num_samples > 0 and args.batch_size % args.num_samples,
+         f"--batch_size {args.batch_size} (completions a step) must be a whole number of groups of "
+         f"--num_samples {args.num_samples}"),
+        (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
+        (args.cliprange < 0 or args.is_cap < 1, "--cliprange must not be negative, --is_cap not below 1"),
+    ]:
+        if bad:
+            core.fail(message)
+    core.check_flags(args, positive=("temperature", "num_samples"))
+    args.groups_per_step = args.batch_size // args.num_samples
+    args.max_in_flight = args.max_in_flight or (args.max_staleness + 1) * args.groups_per_step
+    if args.max_in_flight < args.groups_per_step:
+        core.fail(f"--max_in_flight {args.max_in_flight} is less than a step's {args.groups_per_step} groups: the "
+                  "learner would wait for ever")
+    if args.groups_per_step % args.world_size:
+        core.fail(f"--batch_size {args.batch_size}: its {args.groups_per_step} groups must divide over "
+                  f"{args.world_size} learner processes")
+    args.local_batch_size = args.batch_size // args.world_size
+    args.gradient_accumulation_steps = args.local_batch_size // args.per_device_train_batch_size
+    args.num_steps = args.total_episodes // args.batch_size
+    args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    if args.gradient_checkpointing is None:  # the toy models need none
+        args.gradient_checkpointing = args.model != "tiny"
+    args.run_name = f"{args.model}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.output_dir is None:  # (resumed: the run's own folder)
+        args.output_dir = (checkpoint.run_folder(args.resume_from) if args.resume_from
+                           else os.path.join("runs", args.run_name))
+    if args.model != "tiny" and args.model not in PRESETS:  # (a new --model value needs its preset)
+        core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
+    if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
+        sft, data, args.world_hash = tiny_world.chains_world(args.tiny_dir)
+    else:
+        sft, data = PRESETS[args.model]
+    args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
+    args.dataset_config = args.dataset_config or {"openai/gsm8k": "main"}.get(args.dataset)
+    return args
+
+
+def main(args: Args, cleanup: contextlib.ExitStack) -> None:
+    core.check_model_paths(args, "sft_model_path")
+    train_data, test_data = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"),
+                                                    ("train", "test"), args.dataset_config)
+    # Placement: vLLM owns GPU 0 of the first node; learner i takes GPU i + 1 there (GPU i on other
+    # nodes), or, on one node with no GPU spare per learner, GPU i: rank 0 then sits beside vLLM.
+    # On a CPU the generator gets the last --generator_cores cores and the learner the others.
+    shares_gpu0 = core.shares_gpu0()  # (every rank answers the same)
+    local_rank, node = int(os.getenv("LOCAL_RANK", "0")), int(os.getenv("GROUP_RANK", "0"))
+    gpu = local_rank if shares_gpu0 or node > 0 else local_rank + 1
+    device, generator_cores = core.learner_device(args.world_size, gpu, args.generator_cores)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    metrics_file = launch.start_run(args, cleanup, MAY_DIFFER_ON_RESUME)
+    use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
+    tokenizer = core.load_tokenizer(args.sft_model_path)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
+    run = core.Run(device, autocast, *core.special_ids(tokenizer))  # the facts every step uses
+
+    # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
+    config = AutoConfig.from_pretrained(args.sft_model_path)
+    with torch.device("meta"):  # the buffer's layout needs the config only, no weights
+        weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
+    generator = generator_io.Generator()  # (the other ranks get its messages from rank 0)
+    if args.rank == 0:
+        generator = start_generator(engine_kwargs(args, config, use_cuda), weight_layout, run.eos_id,
+                                    None if use_cuda else generator_cores, args)
+        cleanup.callback(generator.stop)
+    if shares_gpu0:
+        collect(generator, args)  # "ready": vLLM has taken its share of GPU 0
+
+    # The policy trains in float32 (under autocast on GPU), loaded on the CPU and moved to the learner
+    # (--fsdp: sharded there block by block). No reference model: no KL penalty, as in DAPO and Dr. GRPO
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
+    policy = core.on_learner(core.train_without_dropout(policy, args.gradient_checkpointing), args, device)
+    learner = core.shard_or_replicate(policy, args, device)  # (DDP or FSDP2: what the optimizer trains)
+    optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # (constant, as GRPO runs go)
+
+    # The prompt order: a fresh shuffle of the training prompts for each pass over them, for as many groups as
+    # the run can admit (discarded groups use prompts up too)
+    train_prompts = tokenize_prompts(tokenizer, train_data["question"], args.max_prompt_length)
+    train_answers = train_data["answer"]  # the reference solutions, ending in "#### <answer>"
+    most_groups = (args.num_steps + args.max_staleness + 2) * args.groups_per_step * 4
+    passes = -(-most_groups // len(train_prompts))
+    prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])[:most_groups]
+    eval_set = evaluation_set(test_data, tokenizer, args)
+    weight_slots = None  # ASYNC: k + 1 slots: the learner never overwrites a version the generator may be loading
+    if args.rank == 0:
+        weight_slots = make_weight_slots(weight_layout, args.max_staleness + 1, dtype, device)
+        submit(generator, dict(kind="start", weight_slots=weight_slots,
+                               prompts=[train_prompts[i] for i in prompt_order]))
+    if not shares_gpu0:
+        collect(generator, args)  # "ready": vLLM was built while we loaded our model
+
+    # The loop's state, fresh or (--resume_from) where a checkpoint left it: the groups the learner has taken (a
+    # resumed generator admits from there), the policy's version (optimizer steps taken; 0: the SFT weights,
+    # vLLM's start), the newest version published, the last evaluation (none is pending: each is awaited)
+    saved = dict(learner=learner, optimizer=optimizer, scheduler=scheduler, weight_buffer=weight_slots,
+                 metrics_file=metrics_file)  # what a checkpoint holds
+    loop = (0, 0, 0, 0, [])
+    if args.resume_from:
+        loop = checkpoint.resume(args, **saved)
+    next_group, version, published, last_eval, _ = loop
+    stream = dict(early=[], taken=next_group, accepted=0, discarded=0, learner_idle=0.0, published_at={},
+                  generator_idle=0.0)  # (taken: groups the learner has taken from the stream, the next one's index)
+    progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
+                                          disable=args.rank != 0, dynamic_ncols=True))
+
+    def evaluate_now(final: bool = False) -> None:  # ASYNC: awaited, groups arriving meanwhile kept for the step
+        submit(generator, dict(kind="eval", final=final, prompts=eval_set["prompts"] if final else
+                               eval_set["prompts"][: eval_set["num_prompts"]], max_tokens=args.eval_response_length,
+                               temperature=args.eval_temperature, seed=core.sampling_seed(args.seed, "eval", version)))
+        while (message := collect(generator, args))["kind"] != "eval":
+            stream["early"].append(message)
+        score_evaluation(message, training_start, eval_set, tokenizer, args, run, metrics_file)
+
+    training_start = None
+    if not args.resume_from:  # evaluate the SFT policy, then start the clock
+        evaluate_now()
+    if args.rank == 0:
+        tqdm.write(f"the stream: {args.groups_per_step} groups of {args.num_samples} completions a step, at most "
+                   f"{args.max_staleness} versions stale ({args.stale_policy}), {args.proximal} proximal policy, "
+                   f"{args.advantage} advantages")
+    training_start = stream["start"] = time.time()
+    submit(generator, dict(kind="go", first_group=next_group, version=published, slot=published % len_slots(args),
+                           seed=args.seed, n=args.num_samples, temperature=args.temperature,
+                           max_tokens=args.response_length, max_staleness=args.max_staleness,
+                           groups_per_step=args.groups_per_step, stale_policy=args.stale_policy,
+                           max_in_flight=args.max_in_flight))
+    while version < args.num_steps:
+        # 1. ASYNC: take B groups from the stream, each as it finished: (drop) a group more than k versions older
+        # than the learner is discarded; (pace) none can be
+        step_start = time.time()
+        batch, discarded = take_groups(generator, stream, version, args)
+        took = time.time() - step_start
+
+        # 2. ALGO: grade this rank's completions; each one's advantage is relative to its group's
+        train_start = time.time()
+        rollout = make_rollout(batch, prompt_order, train_prompts, train_answers, tokenizer, args, run)
+        rollout["advantages"] = group_advantages(rollout["rewards"].view(-1, args.num_samples), args).view(-1)
+
+        # 3. ALGO: the proximal policy's per-token log-probs: the learner's at the step's start, or the sampler's
+        width = rollout["response_mask"].shape[1]
+        rollout["proximal_logprobs"] = (
+            logprobs_in_chunks(policy, rollout["prompts"], rollout["responses"], args.temperature,
+                               args.per_device_train_batch_size, run)[:, :width]
+            if args.proximal == "recompute" else rollout["behaviour_logprobs"])
+
+        # 4. ALGO: a clipped, importance-weighted step on the batch
+        before = core.parameters_copy(policy) if version % args.lag_every == 0 else None
+        stats = grpo_update(learner, optimizer, scheduler, rollout, args, run)
+        if before is not None:  # the lag: how far the step moved the policy
+            stats["lag/update"] = core.relative_update(policy, before, args.world_size)
+        version += 1
+
+        # 5. ASYNC: publish the new version in slot version mod (k + 1), and how many groups were taken (the
+        # stream's room). The slot held version - k - 1, which the generator has left behind: this step's groups
+        # came from versions >= version - 1 - k, so it had loaded one of those or newer, and it never loads back.
+        # It loads the new version once nothing is mid-generation
+        sync_start, slot = time.time(), version % len_slots(args)
+        write_weight_snapshot(policy, None if weight_slots is None else weight_slots[slot], weight_layout)
+        submit(generator, dict(kind="weights", version=version, slot=slot, taken=stream["taken"]))
+        stream["published_at"][version] = time.time()
+
+        # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
+        record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
+                      **stream_stats(batch, discarded, stream, generator, args))
+        record.update({"time/training": sync_start - train_start, "time/weight_sync": time.time() - sync_start,
+                       "time/learner_wait": took, "time/elapsed": time.time() - training_start})
+        metrics.log(record, metrics_file, args.track)
+        progress.update(1)
+        progress.set_postfix(accuracy=f"{stats['reward/accuracy']:.3f}", staleness=f"{record['staleness/mean']:.1f}")
+
+        # 7. Evaluate (awaited: the generator drains, loads the newest version, then samples the test problems)
+        if args.eval_every and version // args.eval_every > last_eval // args.eval_every and version < args.num_steps:
+            last_eval = version
+            evaluate_now()
+
+        # 8. Checkpoint (--save_every, or SIGTERM) at the step's end. The groups in flight are not saved: a
+        # resumed run admits its groups again from where the steps left off, sampled by the checkpoint's weights
+        if version < args.num_steps and checkpoint.due(args, version):
+            loop = (stream["taken"], version, version, last_eval, [])
+            checkpoint.save(args, loop, None, **saved, batch_in_flight=False)
+
+    evaluate_now(final=True)  # the whole test split, with the last weights
+    progress.close()
+    if args.rank == 0:
+        tqdm.write(metrics.idle_regime(stream["learner_idle"], stream["generator_idle"], time.time() - training_start))
+    if args.save_model:
+        core.save_policy(policy, tokenizer, args)
+
+
+# --- The stream: taking groups, publishing versions ---------------------------------------------------------------
+def take_groups(generator: generator_io.Generator, stream: dict, version: int, args: Args) -> tuple[list, int]:
+    """B groups for the step at `version`, in the order they finished (groups that arrived during an evaluation
+    first). Under `drop` a group whose sampler is more than k versions behind is discarded, and counted; under `pace`
+    the generator never samples one (a violation is an error: the bound is the invariant). Also counts the learner's
+    wait and the generator's idle time (its clock, as its last message reported it)."""
+    batch, discarded, wait_start = [], 0, time.time()
+    while len(batch) < args.groups_per_step:
+        group = stream["early"].pop(0) if stream["early"] else collect(generator, args)
+        stream["taken"] += 1
+        if group["kind"] != "group":
+            raise RuntimeError(f"expected a group from the generator, got {group['kind']}")
+        staleness = version - group["version"]
+        if staleness > args.max_staleness:
+            if args.stale_policy == "pace":
+                raise RuntimeError(f"a group {staleness} versions stale under --stale_policy pace (k = "
+                                   f"{args.max_staleness}): the admission bound failed")
+            discarded += 1
+            continue
+        group["staleness"], group["taken_at"] = staleness, time.time()
+        batch.append(group)
+    stream["learner_idle"] += time.time() - wait_start
+    stream["accepted"] += len(batch)
+    stream["discarded"] += discarded
+    stream["generator_idle"] = batch[-1]["idle_seconds"]
+    return batch, discarded
+
+
+def len_slots(args: Args) -> int:
+    return args.max_staleness + 1
+
+
+def stream_stats(batch: list, discarded: int, stream: dict, generator: generator_io.Generator, args: Args) -> dict:
+    """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
+    (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
+    (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
+    published versions (how long after publishing), and each side's idle fraction since training began."""
+    staleness = [g["staleness"] for g in batch]
+    lengths = sorted(len(r) for g in batch for r in g["responses"])
+    durations = sorted(g["finished"] - g["admitted"] for g in batch)
+    loads = [load for g in batch for load in g["loads"]]  # (version, load start, load end) since the last group
+    lags = [end - stream["published_at"][v] for v, _, end in loads if v in stream["published_at"]]
+    elapsed = max(time.time() - stream["start"], 1e-9)
+    waiting = len(stream["early"]) + (generator.results.qsize() if generator.results is not None else 0)
+
+    def quantile(values: list, q: float) -> float:
+        return float(values[min(int(q * len(values)), len(values) - 1)])
+
+    return {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+            "staleness/histogram": {str(s): staleness.count(s) for s in sorted(set(staleness))},
+            "rollouts/accepted": len(batch), "rollouts/discarded": discarded,
+            "rollouts/accepted_total": stream["accepted"], "rollouts/discarded_total": stream["discarded"],
+            "queue/depth": waiting, "queue/oldest_age": max(g["taken_at"] - g["finished"] for g in batch),
+            "length/p50": quantile(lengths, 0.5), "length/p90": quantile(lengths, 0.9),
+            "length/p99": quantile(lengths, 0.99), "length/max": lengths[-1],
+            "length/truncated_fraction": sum(not g["ended"][i] for g in batch for i in range(len(g["ended"])))
+            / len(lengths),
+            "rollout/seconds_p50": quantile(durations, 0.5), "rollout/seconds_p90": quantile(durations, 0.9),
+            "rollout/seconds_max": durations[-1], "generator/version": batch[-1]["loaded"],
+            **({"weights/load_seconds": sum(end - start for _, start, end in loads) / len(loads)} if loads else {}),
+            **({"weights/publish_to_load_seconds": sum(lags) / len(lags)} if lags else {}),
+            "idle/learner_fraction": stream["learner_idle"] / elapsed,
+            "idle/generator_fraction": stream["generator_idle"] / elapsed}
+
+
+# --- The reward, a verifier (to train on your own, replace `training_reward`) ------------------------------------
+def extract_answer(text: str) -> Optional[float]:
+    """The number after the first "####" (GSM8k's answer format), as a number. None when there is none."""
+    match = re.search(r"####\s*\$?\s*(-?[\d,]*\.?\d+)", text)
+    return float(match.group(1).replace(",", "")) if match else None
+
+
+def correctness(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
+    """The verifiable reward: 1 where the final answer equals the reference's (as numbers), else 0."""
+    predicted = [extract_answer(text) for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
+    return torch.tensor([float(p is not None and p == extract_answer(a)) for p, a in zip(predicted, answers)])
+
+
+def training_reward(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
+    """Each completion's training reward: the verifier's grade. The evaluation's pass@1 calls `correctness`
+    itself: replacing this function leaves it as it is."""
+    return correctness(tokenizer, responses, answers)
+
+
+# --- GRPO: the rollout, the group-relative advantages, the loss and the update -------------------------------------
+def make_rollout(batch: list, prompt_order, train_prompts: list, train_answers: list, tokenizer, args: Args,
+                 run: core.Run) -> dict:
+    """This rank's share of the batch's groups, a row per completion: prompt, response (cut after EOS), reward,
+    whether it ended, the sampler's per-token log-probs (its behaviour policy mu), the mask of its tokens and the
+    version that sampled it."""
+    mine = batch[args.rank:: args.world_size]
+    prompts, responses, logprobs, answers, versions = [], [], [], [], []
+    for group in mine:
+        index = prompt_order[group["index"] % len(prompt_order)]
+        for response, logprob in zip(group["responses"], group["logprobs"]):
+            prompts.append(train_prompts[index])
+            answers.append(train_answers[index])
+            responses.append(response)
+            logprobs.append(logprob)
+            versions.append(group["version"])
+    responses, has_eos = truncate_at_eos(responses, args.response_length, run.eos_id)
+    width = max(map(len, responses))
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
+    behaviour = torch.tensor([lp[: len(r)] + [0.0] * (width - len(r)) for lp, r in zip(logprobs, responses)])
+    return dict(prompts=prompts, responses=responses, rewards=training_reward(tokenizer, responses, answers),
+                ended=torch.tensor(has_eos, dtype=torch.float), behaviour_logprobs=behaviour, response_mask=mask,
+                versions=torch.tensor(versions, dtype=torch.float))
+
+
+def group_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """rewards [groups, K] -> each completion's advantage against its group: GRPO's (r - mean) / (std + 1e-6),
+    Dr. GRPO's r - mean (no division by the std, which favours the easiest and hardest problems), or RLOO's
+    leave-one-out r - mean of the other K - 1. (A group whose K rewards tie has advantages 0: no signal.)"""
+    mean = rewards.mean(1, keepdim=True)
+    if args.advantage == "grpo":
+        return (rewards - mean) / (rewards.std(1, keepdim=True) + 1e-6)
+    if args.advantage == "dr_grpo":
+        return rewards - mean
+    if args.advantage == "rloo":
+        return rewards - (rewards.sum(1, keepdim=True) - rewards) / (rewards.shape[1] - 1)
+    raise ValueError(f"unknown --advantage {args.advantage}")
+
+
+def grpo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, args: Args) -> tuple:
+    """Per-token terms of the clipped objective against the proximal policy, each weighted by the truncated
+    importance weight w = min(pi_prox / mu, is_cap) of the sampler mu (a constant: 1 when pi_prox is mu):
+    -w min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi / pi_prox. Returns them, r, w and where the clip acted."""
+    ratio = torch.exp(logprobs - proximal_logprobs)
+    weight = torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=args.is_cap).detach() * mask
+    unclipped, clipped = -advantages[:, None] * ratio, -advantages[:, None] * ratio.clamp(1 - args.cliprange,
+                                                                                          1 + args.cliprange)
+    return weight * torch.max(unclipped, clipped), ratio, weight, (clipped > unclipped) & (mask > 0)
+
+
+def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, num_completions: float, args: Args) -> torch.Tensor:
+    """A micro-batch's share of the step's loss: GRPO (and RLOO) average each completion's tokens, then the
+    completions (1 / |o|: a long wrong answer is pushed down less per token); Dr. GRPO sums every token over one
+    constant, the step's completions times --response_length."""
+    if args.advantage == "dr_grpo":
+        return token_losses.sum() / (num_completions * args.response_length)
+    if args.advantage in ("grpo", "rloo"):
+        return (token_losses.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_completions
+    raise ValueError(f"unknown --advantage {args.advantage}")
+
+
+def grpo_update(learner, optimizer, scheduler, rollout: dict, args: Args, run: core.Run) -> dict:
+    """One optimizer step on the batch (gradients accumulated over its micro-batches; DDP/FSDP average over ranks:
+    the world_size factor)."""
+    steps, size, outputs = args.gradient_accumulation_steps, args.per_device_train_batch_size, []
+    for i in range(steps):
+        micro = {key: value[i * size: (i + 1) * size] for key, value in rollout.items()}
+        skip_sync = args.world_size > 1 and not args.fsdp and i < steps - 1
+        inputs, response_mask = collate(micro["prompts"], micro["responses"], run.pad_id, run.device)
+        width = response_mask.shape[1]
+        old = {k: micro[k][:, :width].to(run.device) for k in ("proximal_logprobs", "behaviour_logprobs")}
+        with learner.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast:
+            logits = response_logits(learner, inputs, width)
+            logprobs = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
+            losses, ratio, weight, clipped = grpo_loss(logprobs, old["proximal_logprobs"], old["behaviour_logprobs"],
+                                                       micro["advantages"].to(run.device), response_mask, args)
+            # (this rank's completions' mean; DDP and FSDP average the ranks' gradients: the batch's mean)
+            aggregate(losses, response_mask, args.local_batch_size, args).backward()
+        entropy = token_entropy(logits, response_mask, args.temperature)
+        per_token = torch.stack([ratio * response_mask, weight, clipped.float(), entropy,
+                                 (logprobs - old["behaviour_logprobs"]) * response_mask]).detach().float().cpu()
+        outputs.append(F.pad(per_token, (0, rollout["response_mask"].shape[1] - width)))
+    grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    # What the step logs, over all ranks: the ratio and the importance weight over the tokens (1 and 1 at the first
+    # step: the sampler had the learner's weights), the clip fraction, the entropy, the reward, the lag
+    ratio, weight, clipped, entropy, gap = torch.cat(outputs, dim=1)
+    mask, rewards = rollout["response_mask"], rollout["rewards"]
+    sequence_gap = gap.sum(1).double()  # log pi(y) - log mu(y) with the weights at the step's start
+    return {"grad/norm": grad_norm, **core.step_stats(args.world_size, {
+        "policy/ratio_mean": (ratio, mask), "is/weight_mean": (weight, mask), "policy/clipfrac": (clipped, mask),
+        "objective/entropy": (entropy, mask), "reward/accuracy": rewards, "eos/fraction": rollout["ended"],
+        "lag/kl": torch.expm1(sequence_gap) - sequence_gap, "advantage/zero_fraction": (
+            rollout["advantages"].abs() < 1e-8).float()},
+        maxima={"policy/ratio_max": ratio.max().item(), "is/weight_max": weight.max().item()})}
+
+
+# --- Tokens and log-probs ------------------------------------------------------------------------------------------
+def tokenize_prompts(tokenizer, questions: list[str], max_length: int) -> list[list[int]]:
+    """Token ids per problem in the paper's format (after BOS where the tokenizer adds one; long prompts keep
+    their end, where 'Solution:' sits)."""
+    return core.tokenize_prompts(tokenizer, [PROMPT.format(question=q) for q in questions], max_length)
+
+
+def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
+    """Cut each completion after its first EOS (and at `length`); say which ones emitted EOS."""
+    cut, has_eos = [], []
+    for tokens in responses:
+        tokens = list(tokens[:length])
+        has_eos.append(eos_id in tokens)
+        cut.append(tokens[: tokens.index(eos_id) + 1] if has_eos[-1] else tokens)
+    return cut, has_eos
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> tuple:
+    """Left-pad the prompts and right-pad the responses, each to this micro-batch's own longest, so
+    that every response starts at the same column. Position ids skip the left padding, so they match
+    unpadded sequences. Returns the model inputs and the mask of the response tokens."""
+    prompt_width, response_width = max(map(len, prompts)), max(map(len, responses))
+    ids = [[pad_id] * (prompt_width - len(p)) + p + r + [pad_id] * (response_width - len(r))
+           for p, r in zip(prompts, responses)]
+    mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(r)) + [0] * (response_width - len(r))
+            for p, r in zip(prompts, responses)]
+    input_ids, attention_mask = torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0), use_cache=False)
+    return inputs, attention_mask[:, prompt_width:]
+
+
+def response_logits(model, inputs: dict, width: int) -> torch.Tensor:
+    # Only the logits that predict the `width` response tokens: no [batch, prompt, vocab] tensor
+    return model(**inputs, logits_to_keep=width + 1).logits[:, :-1]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    """Per-token log-probs of the responses (0 on padding) at the sampling temperature, as vLLM's."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    tokens = input_ids[:, -response_mask.shape[1]:, None]
+    return logprobs.gather(2, tokens).squeeze(-1) * response_mask
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The entropy of each response token's distribution (0 on padding), for the logs."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -logprobs.exp().mul_(logprobs).sum(-1) * response_mask
+
+
+@torch.no_grad()
+def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float, chunk: int,
+                       run: core.Run) -> torch.Tensor:
+    """Per-token log-probs [completions, longest] under the model as it is, in the update's precision"""
+    width, logprobs = max(map(len, responses)), []
+    for part in core.chunks(len(prompts), chunk, model):  # (FSDP2: as many on every rank)
+        inputs, mask = collate(prompts[part], responses[part], run.pad_id, run.device)
+        with run.autocast:
+            logits = response_logits(model, inputs, mask.shape[1])
+        chunk_logprobs = token_logprobs(logits, inputs["input_ids"], mask, temperature)
+        logprobs.append(F.pad(chunk_logprobs, (0, width - mask.shape[1])).cpu())
+    return torch.cat(logprobs)[: len(prompts)]
+
+
+# --- Weight hand-off: k + 1 slots, written by the learner, read by the generator ------------------------------------
+def weight_table(model: torch.nn.Module) -> list:
+    """(name, offset, shape) of every parameter in one flat slot, in model.parameters() order."""
+    table, offset = [], 0
+    for name, param in model.named_parameters():
+        table.append((name, offset, tuple(param.shape)))
+        offset += param.numel()
+    return table
+
+
+def make_weight_slots(table: list, slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[slots, parameters], allocated once: shared memory on CPU, shared by CUDA IPC on GPU (k + 1 copies of the
+    policy: on a GPU, 2 bytes a parameter each in bfloat16)."""
+    _, offset, shape = table[-1]
+    buffer = torch.empty(slots, offset + math.prod(shape), dtype=dtype, device=device)
+    return buffer.share_memory_() if device.type == "cpu" else buffer
+
+
+@torch.no_grad()
+def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) -> None:
+    """Copy the parameters into a slot (a snapshot). Every rank calls it (gathering an FSDP2 shard is a
+    collective); only rank 0 has the slots."""
+    from torch.distributed.tensor import DTensor
+
+    for (name, offset, shape), param in zip(table, model.parameters()):
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if buffer is not None:
+            buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
+    if buffer is not None and buffer.is_cuda:
+        # copy_ only queues kernels: finish them before a message makes another process read them
+        torch.cuda.current_stream(buffer.device).synchronize()
+
+
+def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
+    return [(name, buffer[offset: offset + math.prod(shape)].view(shape)) for name, offset, shape in table]
+
+
+# --- Generator process: owns the vLLM engine, stepped by hand --------------------------------------------------------
+def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, requests, results,
+                   cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
+    """The streaming loop: between engine steps, take the learner's messages (a complete version, an evaluation,
+    stop); with nothing mid-generation, load the newest version; admit groups while the bound allows; step the
+    engine; send each group the moment its K completions have all ended."""
+    try:
+        generator_io.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, stepped by hand
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = LLM(**engine_kwargs)
+        engine = llm.llm_engine
+        results.put(dict(kind="ready"))
+        start = requests.get()  # the weight slots and the prompts, in the order groups take them
+        slots, prompts = start["weight_slots"], start["prompts"]
+        loaded, newest, running, loads, eval_request = 0, None, {}, [], None  # (version 0: the SFT weights)
+        idle, idle_since, go, next_group, taken = 0.0, None, None, 0, 0
+        while True:
+            # The learner's messages; wait for one only when there is nothing else to do
+            load_due = newest is not None and newest[0] > loaded
+            block = not running and not load_due and eval_request is None and not (
+                go is not None and can_admit(go, next_group, loaded, newest, next_group - taken))
+            while True:
+                try:
+                    message = requests.get(timeout=1.0) if block else requests.get_nowait()
+                except queue.Empty:
+                    if block:
+                        continue
+                    break
+                block = False
+                if message is None:
+                    return
+                if message["kind"] == "go":  # training begins (the generator's idle clock too)
+                    go, next_group, taken, idle_since = message, message["first_group"], message["first_group"], \
+                        time.time()
+                    if message["version"] > loaded:  # (resumed: the checkpoint's weights, in their slot)
+                        newest = (message["version"], message["slot"])
+                elif message["kind"] == "weights":  # a new version, and how many groups the learner has taken
+                    newest, taken = (message["version"], message["slot"]), message["taken"]
+                elif message["kind"] == "eval":
+                    eval_request = message
+                else:
+                    raise ValueError(f"unknown message kind {message['kind']}")
+            # ASYNC: drain, then reload: with nothing mid-generation, load the newest complete version
+            if not running and newest is not None and newest[0] > loaded:
+                load_start = time.time()
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
+                    slots[newest[1]], weight_layout)})
+                if torch.cuda.is_available():  # done reading before the learner may rewrite the slot
+                    torch.cuda.synchronize()
+                llm.reset_prefix_cache()
+                loaded = newest[0]
+                loads.append((loaded, load_start, time.time()))
+            if eval_request is not None and not running:  # an evaluation: drained, the newest version loaded
+                if idle_since is not None:  # (its time is not idle time)
+                    idle += time.time() - idle_since
+                results.put(evaluation(llm, eval_request, loaded, stop_id, SamplingParams, TokensPrompt))
+                eval_request, idle_since = None, time.time() if go is not None else None
+                continue
+            # ASYNC: admission control: a group enters the engine only while the bound allows
+            while eval_request is None and go is not None and can_admit(go, next_group, loaded, newest,
+                                                                        next_group - taken):
+                sampling = SamplingParams(n=go["n"], temperature=go["temperature"], max_tokens=go["max_tokens"],
+                                          logprobs=0, detokenize=False, stop_token_ids=[stop_id],
+                                          seed=core.sampling_seed(go["seed"], "train", next_group),
+                                          output_kind=RequestOutputKind.FINAL_ONLY)
+                prompt = TokensPrompt(prompt_token_ids=prompts[next_group % len(prompts)])
+                engine.add_request(str(next_group), prompt, sampling)
+                running[str(next_group)] = (next_group, loaded, time.time())
+                next_group += 1
+            if not running:
+                if idle_since is None and go is not None:  # (idle: training under way, and nothing to sample)
+                    idle_since = time.time()
+                continue
+            if idle_since is not None:
+                idle, idle_since = idle + time.time() - idle_since, None
+            # ASYNC: one engine step: every running sequence advances a token; a finished group leaves at once
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                group, version, admitted = running.pop(output.request_id)
+                completions = output.outputs
+                results.put(dict(
+                    kind="group", index=group, version=version, admitted=admitted, finished=time.time(),
+                    responses=[list(c.token_ids) for c in completions],
+                    logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)] for c in completions],
+                    ended=[c.finish_reason == "stop" for c in completions], loaded=loaded, loads=loads,
+                    idle_seconds=idle))
+                loads = []
+    except BaseException:
+        results.put(dict(kind="error", traceback=traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def can_admit(go: dict, next_group: int, loaded: int, newest, in_stream: int) -> bool:
+    """ASYNC: the admission bound. A newer version published: admit nothing, so that the engine drains and loads it.
+    The stream holds at most --max_in_flight groups admitted and not yet taken by the learner (sampling, or finished
+    and waiting). `pace`: admit group g only while g < (k + w + 1) B, w the loaded version: the learner keeps every
+    group and takes them in the order they finish; every group that finishes before g was admitted before g
+    finished, while version w was loaded (nothing loads while g samples), so it is one of the (k + w + 1) B groups
+    0, 1, ...; at most k + w batches were taken before g's, and g arrives at most k versions stale. `drop`: admit
+    while the stream has room; the learner discards what arrives staler than k. (At the default room, (k + 1) B,
+    the room is the bound: the learner had taken w B groups when version w was published, so g < (k + w + 1) B.)"""
+    if newest is not None and newest[0] > loaded:
+        return False
+    if in_stream >= go["max_in_flight"]:
+        return False
+    if go["stale_policy"] == "pace":
+        return next_group < (go["max_staleness"] + loaded + 1) * go["groups_per_step"]
+    if go["stale_policy"] == "drop":
+        return True
+    raise ValueError(f"unknown --stale_policy {go['stale_policy']}")
+
+
+def evaluation(llm, request: dict, version: int, stop_id: int, SamplingParams, TokensPrompt) -> dict:
+    """The test problems sampled near-greedily with the loaded version, one seed for all."""
+    sampling = SamplingParams(n=1, temperature=request["temperature"], max_tokens=request["max_tokens"],
+                              logprobs=0, detokenize=False, stop_token_ids=[stop_id], seed=request["seed"])
+    start = time.time()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling, use_tqdm=False)
+    return dict(kind="eval", final=request["final"], generation_version=version, requested=start,
+                weight_load_start=start, generation_start=start, generation_end=time.time(),
+                responses=[list(out.outputs[0].token_ids) for out in outputs])
+
+
+def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
+    """vLLM's engine. processed_logprobs: log-probs of what is sampled, log_softmax(logits / T);
+    enforce_eager on CPU only (on GPU, CUDA graphs make generation several times faster)."""
+    max_model_len = args.max_prompt_length + max(args.response_length, args.eval_response_length)
+    kwargs = dict(model=args.sft_model_path, dtype=args.dtype, seed=args.seed,
+                  enforce_eager=not use_cuda, max_model_len=max_model_len,
+                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                  logprobs_mode="processed_logprobs")
+    if not use_cuda:  # size the CPU KV cache for the stream's room: --max_in_flight groups of K
+        token_bytes = 2 * config.num_hidden_layers * config.hidden_size * getattr(torch, args.dtype).itemsize
+        sequences = min(args.max_in_flight * args.num_samples, 1024)
+        kwargs["kv_cache_memory_bytes"] = min(max(token_bytes * max_model_len * sequences, 2**25), 2**33)
+        # no chunked prefill: it moves a seeded request's generator back, which a CPU one cannot do
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+    return kwargs
+
+
+def start_generator(engine_kwargs: dict, weight_layout: list, stop_id: int, cores: Optional[list],
+                    args: Args) -> generator_io.Generator:
+    """Spawn the generator: requests one at a time, results a stream of up to --max_in_flight groups."""
+    run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
+    log_path = None if args.verbose else os.path.join(args.output_dir, "generator.log")
+    generator_io.quiet_resource_tracker(log_path)
+    ctx = mp.get_context("spawn")
+    requests, results = ctx.Queue(), ctx.Queue()  # (the admission bound keeps it within --max_in_flight)
+    process = ctx.Process(target=generator_main, args=(
+        engine_kwargs, weight_layout, stop_id, requests, results, cores, run_tmp_dir, log_path))
+    process.start()
+    return generator_io.Generator(process, requests, results, run_tmp_dir, log_path)
+
+
+def submit(generator: generator_io.Generator, request: dict) -> None:
+    """ASYNC: send the generator a message. Rank 0 alone holds the generator (the others have nothing
+    to send); a dead generator found here is told at the next collect."""
+    if generator.process is not None:
+        generator_io.send(generator, request)
+
+
+def collect(generator: generator_io.Generator, args: Args) -> dict:
+    """ASYNC: the generator's next message from the stream: rank 0 takes it and broadcasts it, so that
+    every rank takes the same group (or the generator's error) at the same point."""
+    message = generator_io.receive(generator) if args.rank == 0 else None
+    if args.world_size > 1:
+        box = [message]
+        torch.distributed.broadcast_object_list(box, src=0)
+        message = box[0]
+    return generator_io.raise_error(message, args.rank)
+
+
+# --- Evaluation: greedy pass@1 on the test problems ----------------------------------------------------------------
+def evaluation_set(test_data, tokenizer, args: Args) -> dict:
+    """The test problems (the first num_eval_prompts during training), this rank's share and its answers."""
+    test_data = test_data.select(range(min(args.num_final_eval_prompts or len(test_data), len(test_data))))
+    prompts = tokenize_prompts(tokenizer, test_data["question"], args.max_prompt_length)
+    return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
+                my_answers=test_data["answer"][args.rank:: args.world_size])
+
+
+def score_evaluation(message: dict, training_start: Optional[float], eval_set: dict, tokenizer, args: Args,
+                     run: core.Run, metrics_file) -> None:
+    """Grade an evaluation's answers on every rank (each its share), then print and log it."""
+    start, responses = time.time(), message["responses"][args.rank:: args.world_size]
+    responses, has_eos = truncate_at_eos(responses, args.eval_response_length, run.eos_id)
+    correct = correctness(tokenizer, responses, eval_set["my_answers"][: len(responses)])
+    lengths = sorted(map(len, responses))
+    sums = core.reduce_sums({"correct": correct.sum().item(), "count": len(responses), "eos": sum(has_eos),
+                             "tokens": sum(lengths)}, args.world_size)
+    n, pass_at_1 = sums["count"], sums["correct"] / sums["count"]
+    record = {"step": message["generation_version"], "eval/num_prompts": int(n), "eval/pass_at_1": pass_at_1,
+              "eval/pass_at_1_stderr": math.sqrt(pass_at_1 * (1 - pass_at_1) / n),
+              "eval/eos_fraction": sums["eos"] / n, "eval/length_mean": sums["tokens"] / n,
+              **metrics.eval_times(message, start, training_start)}
+    if args.rank == 0:
+        tqdm.write(f"eval @ step {record['step']} ({int(n)} problems): pass@1 {pass_at_1:.3f} ± "
+                   f"{record['eval/pass_at_1_stderr']:.3f}, mean length {record['eval/length_mean']:.1f} tokens")
+    metrics.log(record, metrics_file, args.track)
+
+
+if __name__ == "__main__":
+    launch.run(main, resolve_args(launch.parse_args(Args, TINY_DEFAULTS)))
