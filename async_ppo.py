@@ -205,7 +205,8 @@ def resolve_args(args: Args) -> Args:
     precision, where the run logs, and the preset's models and data. It checks this script's own
     flags (core.check_flags those every script has)."""
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
-    core.check_flags(args, positive=("temperature", "eval_temperature", "num_samples"))
+    core.check_flags(args, positive=("temperature", "eval_temperature", "num_samples", "num_mini_batches",
+                                     "num_epochs"), round_prompts=args.batch_size * args.num_mini_batches)
     for bad, message in [
         (min(args.cliprange, args.cliprange_value, args.kl_coef, args.vf_coef) < 0,
          "--cliprange, --cliprange_value, --kl_coef and --vf_coef must not be negative"),
@@ -407,7 +408,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                                      kl=f"{stats['objective/kl']:.3f}", staleness=staleness)
 
         # 7. Checkpoint (--save_every, or SIGTERM) at the round's end
-        if round_index + 1 < args.num_rounds and checkpoint.due(args, version):
+        if round_index + 1 < args.num_rounds and checkpoint.due(
+                args, version, steps=args.num_mini_batches * args.num_epochs):
             loop = (round_index + 1, version, buffer_version, last_eval, pending_evals)
             pending_evals = checkpoint.save(args, loop, lambda: run_evaluation(
                 collect(generator, args), training_start=training_start), **saved)

@@ -202,7 +202,8 @@ def resolve_args(args: Args) -> Args:
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
     if args.num_samples < 2:
         core.fail(f"--num_samples must be at least 2 (a baseline needs another), got {args.num_samples}")
-    core.check_flags(args)
+    core.check_flags(args, positive=("temperature", "eval_temperature", "num_mini_batches", "num_epochs"),
+                     round_prompts=args.batch_size * args.num_mini_batches)
     for bad, message in [
         (min(args.cliprange, args.kl_coef) < 0, "--cliprange and --kl_coef must not be negative"),
         (args.is_correction != "none" and not args.recompute_old_logprobs, "--is_correction needs "
@@ -396,7 +397,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                                      kl=f"{stats['objective/kl']:.3f}", staleness=staleness)
 
         # 7. Checkpoint (--save_every, or SIGTERM) at the round's end
-        if round_index + 1 < args.num_rounds and checkpoint.due(args, version):
+        if round_index + 1 < args.num_rounds and checkpoint.due(
+                args, version, steps=args.num_mini_batches * args.num_epochs):
             loop = (round_index + 1, version, buffer_version, last_eval, pending_evals)
             pending_evals = checkpoint.save(args, loop, lambda: run_evaluation(
                 collect(generator, args), training_start=training_start), **saved)

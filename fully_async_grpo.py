@@ -365,7 +365,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
         # 8. Checkpoint (--save_every, or SIGTERM) at the step's end. The groups in flight are not saved: a
         # resumed run admits its groups again from where the steps left off, sampled by the checkpoint's weights
-        if version < args.num_steps and checkpoint.due(args, version):
+        if version < args.num_steps and checkpoint.due(args, version, steps=1):
             loop = (stream["taken"], version, version, last_eval, [])
             checkpoint.save(args, loop, None, **saved, batch_in_flight=False)
 

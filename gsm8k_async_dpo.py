@@ -177,7 +177,8 @@ def resolve_args(args: Args) -> Args:
         core.fail(f"--eval_temperature must not be negative, got {args.eval_temperature}")
     if not args.eval_splits:
         core.fail("--eval_splits: name at least one split")
-    core.check_flags(args, positive=("temperature",))
+    core.check_flags(args, positive=("temperature", "num_mini_batches", "num_epochs"),
+                     round_prompts=args.batch_size * args.num_mini_batches)
     args.local_batch_size = args.batch_size // args.world_size
     args.gradient_accumulation_steps = args.local_batch_size // args.per_device_train_batch_size
     args.num_rounds = args.total_episodes // (args.batch_size * args.num_mini_batches)
@@ -358,7 +359,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                                      loss=f"{stats['loss/dpo']:.3f}", staleness=staleness)
 
         # 7. Checkpoint (--save_every, or SIGTERM) at the round's end
-        if round_index + 1 < args.num_rounds and checkpoint.due(args, version):
+        if round_index + 1 < args.num_rounds and checkpoint.due(
+                args, version, steps=args.num_mini_batches * args.num_epochs):
             loop = (round_index + 1, version, buffer_version, last_eval, pending_evals)
             pending_evals = checkpoint.save(args, loop, lambda: run_evaluation(
                 collect(generator, args), training_start=training_start), **saved, batch_in_flight=not args.sync)

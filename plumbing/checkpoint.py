@@ -25,12 +25,11 @@ LOOP = ("round", "version", "buffer_version", "last_eval", "pending_evals")  # t
 TERM = threading.Event()  # SIGTERM arrived (see launch.run)
 
 
-def due(args, version: int) -> bool:
-    """At a round's end: --save_every steps passed since the last checkpoint, or SIGTERM arrived
-    (on any rank: all ranks agree)."""
+def due(args, version: int, steps: int) -> bool:
+    """At a round's end (a round of `steps` optimizer steps): a multiple of --save_every steps passed in it,
+    or SIGTERM arrived (on any rank: all ranks agree)."""
     if not args.save_every:
         return False
-    steps = getattr(args, "num_mini_batches", 1) * getattr(args, "num_epochs", 1)  # (a round's steps)
     is_due = version // args.save_every > (version - steps) // args.save_every or TERM.is_set()
     return reduce_max(float(is_due), args.world_size) > 0
 

@@ -21,15 +21,17 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def check_flags(args, positive: tuple = ("temperature", "eval_temperature")) -> None:
+def check_flags(args, positive: tuple = ("temperature", "eval_temperature"),
+                round_prompts: Optional[int] = None) -> None:
     """Refuse common flags that make no sense, and sizes that do not divide over args.world_size ranks (a
-    script checks its own flags itself, in its resolve_args)."""
+    script checks its own flags itself, in its resolve_args). `positive`: the script's own flags that must be
+    positive; `round_prompts`: what one generation round takes (default --batch_size)."""
     for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size",
-                 "num_epochs", "per_device_train_batch_size", "num_mini_batches",
-                 "num_eval_prompts", "eval_response_length", "generator_cores", "lag_every", *positive):
-        if getattr(args, name, 1) <= 0:  # (a script without N or T: one of each)
+                 "per_device_train_batch_size", "num_eval_prompts", "eval_response_length", "generator_cores",
+                 "lag_every", *positive):
+        if getattr(args, name) <= 0:
             fail(f"--{name} must be positive, got {getattr(args, name)}")
-    world_size, per_round = args.world_size, args.batch_size * getattr(args, "num_mini_batches", 1)
+    world_size, per_round = args.world_size, round_prompts or args.batch_size
     local, per_device = args.batch_size // world_size, args.per_device_train_batch_size
     for bad, message in [
         (args.dtype == "float16", "--dtype float16: the learner would train under float16 autocast "
@@ -48,7 +50,7 @@ def check_flags(args, positive: tuple = ("temperature", "eval_temperature")) -> 
         (local % per_device, f"--per_device_train_batch_size {per_device} must divide the "
          f"per-process batch ({local} prompts)"),
         (args.total_episodes < per_round, f"--total_episodes {args.total_episodes} is smaller than "
-         f"one generation round (--batch_size x --num_mini_batches = {per_round})"),
+         f"one generation round ({per_round} prompts)"),
     ]:
         if bad:
             fail(message)

@@ -15,7 +15,7 @@ from plumbing import core
 from plumbing.reward_models import load_reward_model
 
 CPU = torch.device("cpu")
-SCRIPTS = ["async_dpo", "sync_baseline", "async_ppo", "async_rloo", "gsm8k_async_dpo"]
+SCRIPTS = ["async_dpo", "sync_baseline", "async_ppo", "async_rloo", "gsm8k_async_dpo", "fully_async_grpo"]
 
 
 def readme_reward_function() -> str:
