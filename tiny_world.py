@@ -796,12 +796,39 @@ def build_math_tokenizer(texts: list[str], vocab_size: int = 512):
     return tokenizer
 
 
+def train_math_sft(tokenizer, train: list[dict], width: int, lr: float, steps: int, progress):
+    """The math worlds' SFT policy (GSM8k miniature, chains): GPT-NeoX, `width` wide, 4 layers and heads, trained on
+    the worked solutions (the prompt masked), batches of 64, seed 0, reporting every 100 steps."""
+    from transformers import GPTNeoXConfig
+
+    eos = tokenizer.eos_token_id
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=4, num_attention_heads=4,
+                           intermediate_size=4 * width, max_position_embeddings=512, bos_token_id=eos,
+                           eos_token_id=eos)
+    rows = [{"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
+            for r in train]
+
+    def every_100(step: int, _) -> None:
+        if step % 100 == 0 and step < steps:
+            progress(f"SFT policy, step {step} of {steps}")
+
+    policy = train_sft(config, tokenizer, rows, seed=0, steps=steps, lr=lr, batch_size=64, after_step=every_100)
+    progress(f"SFT policy, {steps} steps")
+    return policy
+
+
+def greedy_answers(policy, tokenizer, rows: list[dict], max_tokens: int) -> tuple[list, list]:
+    """The policy's greedy completions of the problems in `rows`, and whether each one's answer (the text after its
+    last "####") is the reference's."""
+    prompts = encode(tokenizer, [MATH_PROMPT.format(question=r["question"]) for r in rows])
+    completions = sample(policy, prompts, tokenizer.eos_token_id, 0.0, max_tokens)
+    answers = [tokenizer.decode(c, skip_special_tokens=True).split("####")[-1].strip() for c in completions]
+    return completions, [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+
+
 def math_pass_at_1(policy, tokenizer, rows: list[dict]) -> float:
     """Greedy pass@1: the text after the last "####" of the completion equals the reference's."""
-    prompts = encode(tokenizer, [MATH_PROMPT.format(question=r["question"]) for r in rows])
-    completions = sample(policy, prompts, tokenizer.eos_token_id, 0.0, 32)
-    answers = [tokenizer.decode(c, skip_special_tokens=True).split("####")[-1].strip() for c in completions]
-    return sum(a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)) / len(rows)
+    return sum(greedy_answers(policy, tokenizer, rows, 32)[1]) / len(rows)
 
 
 def build_gsm8k(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
@@ -822,7 +849,6 @@ def build_gsm8k(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
 def build_gsm8k_here(tiny_dir: str, quick: str = "0") -> None:
     """The GSM8k miniature's build itself (build_gsm8k runs it in a child process)."""
     import transformers
-    from transformers import GPTNeoXConfig
 
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
@@ -849,23 +875,10 @@ def build_gsm8k_here(tiny_dir: str, quick: str = "0") -> None:
             if fact in train_facts and row["question"] not in train_questions:
                 test.append(row)
         tokenizer = build_math_tokenizer([r["question"] + " " + r["answer"] for r in train])
-        eos = tokenizer.eos_token_id
-        config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                               intermediate_size=1024, max_position_embeddings=512, bos_token_id=eos,
-                               eos_token_id=eos)
-        sft_rows = [{"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
-                    for r in train]
         progress("problems and tokenizer")
-
-        def every_100(step: int, _) -> None:
-            if step % 100 == 0 and step < sft_steps:
-                progress(f"SFT policy, step {step} of {sft_steps}")
-
         # (measured: lr 3e-3 at batch 32 memorises the training facts and stays under 10% on the test facts; at lr
         # 1e-3, batch 64, test pass@1 grows with the steps: ~0.1 at 300, ~0.3 at 600, ~0.44 at 900)
-        policy = train_sft(config, tokenizer, sft_rows, seed=0, steps=sft_steps, lr=1e-3, batch_size=64,
-                           after_step=every_100)
-        progress(f"SFT policy, {sft_steps} steps")
+        policy = train_math_sft(tokenizer, train, 256, 1e-3, sft_steps, progress)
         report = {"quick": quick, "sft_steps": sft_steps,
                   "sft_test_pass_at_1": math_pass_at_1(policy, tokenizer, test),
                   "sft_unseen_facts_pass_at_1": math_pass_at_1(policy, tokenizer, unseen),
@@ -925,7 +938,6 @@ def build_chains(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
 def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
     """The chains world's build itself (build_chains runs it in a child process)."""
     import transformers
-    from transformers import GPTNeoXConfig
 
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
@@ -941,21 +953,8 @@ def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
                 test.append(row)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100  # (no chain reaches 0: " 0" would get no token of its own)
         tokenizer = build_math_tokenizer([r["question"] + " " + r["answer"] for r in train] + digits)
-        eos = tokenizer.eos_token_id
-        config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                               intermediate_size=512, max_position_embeddings=512, bos_token_id=eos,
-                               eos_token_id=eos)
-        sft_rows = [{"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
-                    for r in train]
         progress("problems and tokenizer")
-
-        def every_100(step: int, _) -> None:
-            if step % 100 == 0 and step < sft_steps:
-                progress(f"SFT policy, step {step} of {sft_steps}")
-
-        policy = train_sft(config, tokenizer, sft_rows, seed=0, steps=sft_steps, lr=2e-3, batch_size=64,
-                           after_step=every_100)
-        progress(f"SFT policy, {sft_steps} steps")
+        policy = train_math_sft(tokenizer, train, 128, 2e-3, sft_steps, progress)
         report = {"quick": quick, "sft_steps": sft_steps, **chain_report(policy, tokenizer, test)}
     save_world(tiny_dir, {"train": train, "test": test}, {"sft": policy}, tokenizer, report)
     progress(f"built: greedy pass@1 {report['sft_test_pass_at_1']:.2f}, completion length p50 "
@@ -968,10 +967,7 @@ CHAIN_SFT_STEPS = 900  # (a probe of one thread: greedy pass@1 0.07, 0.12, 0.22 
 def chain_report(policy, tokenizer, rows: list[dict]) -> dict:
     """The SFT policy on `rows`: greedy pass@1 (overall and by the chain's steps) and its greedy completions'
     length percentiles in tokens (the tail the fully asynchronous pipeline is for)."""
-    prompts = encode(tokenizer, [MATH_PROMPT.format(question=r["question"]) for r in rows])
-    completions = sample(policy, prompts, tokenizer.eos_token_id, 0.0, 128)
-    answers = [tokenizer.decode(c, skip_special_tokens=True).split("####")[-1].strip() for c in completions]
-    right = [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+    completions, right = greedy_answers(policy, tokenizer, rows, 128)
     lengths = sorted(len(c) for c in completions)
     by_steps = {}
     for row, ok in zip(rows, right):
