@@ -22,12 +22,14 @@ def start(tiny_dir: str, out: str, *flags: str) -> subprocess.Popen:
                                      *flags)
 
 
-def wait_for_training(process: subprocess.Popen, out: str, timeout: float = 600) -> list:
-    """Wait until the learner has logged an optimizer step; return its process tree."""
+def wait_for_training(process: subprocess.Popen, out: str, timeout: float = 600, steps: int = 1,
+                      step_metric: str = "loss/dpo") -> list:
+    """Wait until the learner has logged `steps` optimizer steps (records with `step_metric`); return its process
+    tree."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         path = os.path.join(out, "metrics.jsonl")
-        if os.path.exists(path) and '"loss/dpo"' in open(path).read():
+        if os.path.exists(path) and open(path).read().count(f'"{step_metric}"') >= steps:
             return psutil.Process(process.pid).children(recursive=True)
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.2)

@@ -8,12 +8,12 @@ import subprocess
 import time
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 from conftest import REPO, TORCHRUN_2, run_in_process, run_script, start_as_a_foreground_job
 from test_end_to_end import read_metrics
-from test_failures import STOPS_WITHIN, assert_all_gone, generator_of
+from test_failures import STOPS_WITHIN, assert_all_gone, generator_of, wait_for_training
+from test_shutdown import assert_clean_exit
 
 import fully_async_grpo as fa
 from plumbing import checkpoint
@@ -100,16 +100,6 @@ def start_stream(chains_dir: str, out, *flags_: str) -> subprocess.Popen:
     return start_as_a_foreground_job("fully_async_grpo.py", *stream_flags(chains_dir, out, *flags_))
 
 
-def wait_for_steps(process: subprocess.Popen, out, steps: int) -> list:
-    """Wait until the run has logged `steps` steps; returns its process tree (the generator among it)."""
-    deadline, path = time.time() + 600, os.path.join(str(out), "metrics.jsonl")
-    while not os.path.exists(path) or open(path).read().count('"staleness/mean"') < steps:
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.time() < deadline, f"{steps} steps not logged within the timeout"
-        time.sleep(0.2)
-    return psutil.Process(process.pid).children(recursive=True)
-
-
 def stream_metrics(out) -> tuple[list, list]:
     return read_metrics(str(out), step_metric="staleness/mean", eval_metric="eval/pass_at_1")
 
@@ -117,12 +107,8 @@ def stream_metrics(out) -> tuple[list, list]:
 def stopped(process: subprocess.Popen, code: int, children: list) -> str:
     """The learner exits with `code` within STOPS_WITHIN seconds, and nothing it started outlives it. Its stderr."""
     stopped_at = time.time()
-    try:
-        _, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise AssertionError("the learner hung on exit")
-    assert process.returncode == code and time.time() - stopped_at < STOPS_WITHIN, stderr[-3000:]
+    stderr = assert_clean_exit(process, stopped_at, code)
+    assert time.time() - stopped_at < STOPS_WITHIN
     assert_all_gone(children)
     return stderr
 
@@ -138,7 +124,7 @@ def test_pace_sigterm_and_resume(chains_dir, tmp_path):
     logged once and the bound kept across the restart."""
     out, pace = tmp_path / "run", (*SIX_STEPS, "--max_staleness", "2", "--stale_policy", "pace", "--save_every", "100")
     process = start_stream(chains_dir, out, *pace)
-    children = wait_for_steps(process, out, 3)
+    children = wait_for_training(process, str(out), steps=3, step_metric="staleness/mean")
     os.killpg(process.pid, signal.SIGTERM)
     assert "stopped by SIGTERM after the checkpoint" in stopped(process, 128 + signal.SIGTERM, children)
     saved = checkpoint.read(str(out))["loop"]
@@ -173,7 +159,7 @@ def test_k_zero_is_on_policy_and_a_dead_generator_stops_the_run(chains_dir, tmp_
     """k = 0: every step trains on groups its own version sampled (staleness 0), so the sampler's weight is 1 at
     every step, not only the first. Then the generator dies: the learner stops within seconds with its error."""
     process = start_stream(chains_dir, tmp_path, "--max_staleness", "0", "--total_episodes", "100000")
-    children = wait_for_steps(process, tmp_path, 3)
+    children = wait_for_training(process, str(tmp_path), steps=3, step_metric="staleness/mean")
     generator_of(children).kill()
     stderr = stopped(process, 1, children)
     assert "error: the generator process exited unexpectedly (exit code -9)" in stderr, stderr[-3000:]
@@ -185,6 +171,6 @@ def test_k_zero_is_on_policy_and_a_dead_generator_stops_the_run(chains_dir, tmp_
 def test_ctrl_c_stops_the_stream(chains_dir, tmp_path):
     process = start_stream(chains_dir, tmp_path, "--max_staleness", "4", "--stale_policy", "drop",
                            "--total_episodes", "100000")
-    children = wait_for_steps(process, tmp_path, 1)
+    children = wait_for_training(process, str(tmp_path), step_metric="staleness/mean")
     os.killpg(process.pid, signal.SIGINT)  # what a terminal does: SIGINT to the whole foreground group
     assert "interrupted" in stopped(process, 130, children)
