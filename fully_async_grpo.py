@@ -273,7 +273,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     eval_set = evaluation_set(test_data, tokenizer, args)
     weight_slots = None  # ASYNC: k + 1 slots: the learner never overwrites a version the generator may be loading
     if args.rank == 0:
-        weight_slots = make_weight_slots(weight_layout, args.max_staleness + 1, dtype, device)
+        weight_slots = make_weight_slots(weight_layout, len_slots(args), dtype, device)
         submit(generator, dict(kind="start", weight_slots=weight_slots,
                                prompts=[train_prompts[i] for i in prompt_order]))
     if not shares_gpu0:
@@ -406,6 +406,7 @@ def take_groups(generator: generator_io.Generator, stream: dict, version: int, a
 
 
 def len_slots(args: Args) -> int:
+    """The weight slots: k + 1 (the learner never overwrites a version the generator may still be loading)."""
     return args.max_staleness + 1
 
 
