@@ -16,6 +16,7 @@ the data fresh enough: no group trains a learner more than --max_staleness k ver
 k = 0 is synchronous and on-policy. CPU demo: `python fully_async_grpo.py --model tiny`; docs/fully_async.md.
 """
 import contextlib
+import json
 import math
 import os
 import queue
@@ -50,8 +51,8 @@ TINY_DEFAULTS = dict(
 # sample). Any other difference from the checkpoint's run is refused, naming the flag.
 MAY_DIFFER_ON_RESUME = {
     "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "verbose", "tiny_dir",
-    "vllm_gpu_memory_utilization", "generator_cores", "gradient_checkpointing", "save_every", "resume_from",
-    "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
+    "vllm_gpu_memory_utilization", "generator_cores", "record_rollouts", "gradient_checkpointing", "save_every",
+    "resume_from", "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
     "eval_temperature", "eval_response_length"}
 
 
@@ -78,6 +79,10 @@ class Args:
     """continue the run in this folder (or its checkpoint folder) where its checkpoint left it"""
     verbose: bool = False
     """show vLLM's own log on the console (by default it goes to {output_dir}/generator.log)"""
+    record_rollouts: bool = False
+    """write every group the learner takes (prompt, tokens, the sampler's log-probs, each token's version) to
+    {output_dir}/rollouts.jsonl and every version's weights to {output_dir}/versions/, to audit a run
+    (benchmarks/token_versions.py checks each token's log-prob against its own version's)"""
 
     # Models and data
     model: Literal["tiny", "rho-1b"] = "rho-1b"
@@ -100,6 +105,14 @@ class Args:
     max_in_flight: Optional[int] = None
     """the stream's room: groups admitted and not yet taken by the learner, sampling or waiting (default, filled in
     by resolve_args: (k + 1) B, the bound's own room: then `drop` never has to discard; more lets it run ahead)"""
+    inflight_updates: bool = False
+    """load each new version between two engine steps, with completions mid-generation (AReaL, PipelineRL): one
+    completion may then be sampled by several versions, each token's version and log-prob kept, and the staleness
+    counts from its oldest token (default: no group admitted once a version is published; drain, then reload)"""
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    """with --inflight_updates: `recompute`: the running sequences are preempted and re-read their prefixes under
+    the new weights (each token's log-prob is exactly its version's); `keep`: they keep the KV cache older weights
+    built (no recomputation; a token's log-prob then mixes versions, and prefix caching is off)"""
 
     # Algorithm specific arguments
     learning_rate: float = 1e-6
@@ -288,6 +301,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     if args.resume_from:
         loop = checkpoint.resume(args, **saved)
     next_group, version, published, last_eval, _ = loop
+    if args.record_rollouts and not args.resume_from:  # (version 0: the SFT weights, in slot 0 like any other)
+        write_weight_snapshot(policy, None if weight_slots is None else weight_slots[0], weight_layout)
+        record_version(weight_slots, weight_layout, 0, args)
     stream = dict(early=[], taken=next_group, accepted=0, discarded=0, learner_idle=0.0, published_at={},
                   generator_idle=0.0)  # (taken: groups the learner has taken from the stream, the next one's index)
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
@@ -313,13 +329,16 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                            seed=args.seed, n=args.num_samples, temperature=args.temperature,
                            max_tokens=args.response_length, max_staleness=args.max_staleness,
                            groups_per_step=args.groups_per_step, stale_policy=args.stale_policy,
-                           max_in_flight=args.max_in_flight))
+                           max_in_flight=args.max_in_flight, inflight_updates=args.inflight_updates,
+                           kv_on_update=args.kv_on_update))
     while version < args.num_steps:
         # 1. ASYNC: take B groups from the stream, each as it finished: (drop) a group more than k versions older
         # than the learner is discarded; (pace) none can be
         step_start = time.time()
         batch, discarded = take_groups(generator, stream, version, args)
         took = time.time() - step_start
+        if args.record_rollouts:
+            record_groups(batch, [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in batch], args)
 
         # 2. ALGO: grade this rank's completions; each one's advantage is relative to its group's
         train_start = time.time()
@@ -348,6 +367,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         write_weight_snapshot(policy, None if weight_slots is None else weight_slots[slot], weight_layout)
         submit(generator, dict(kind="weights", version=version, slot=slot, taken=stream["taken"]))
         stream["published_at"][version] = time.time()
+        if args.record_rollouts:
+            record_version(weight_slots, weight_layout, version, args)
 
         # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
         record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
@@ -397,6 +418,8 @@ def take_groups(generator: generator_io.Generator, stream: dict, version: int, a
             discarded += 1
             continue
         group["staleness"], group["taken_at"] = staleness, time.time()
+        group["token_staleness"] = [version - v for spans in group["spans"] for v, start, end in spans
+                                    for _ in range(end - start)]  # (each token's, by the version that sampled it)
         batch.append(group)
     stream["learner_idle"] += time.time() - wait_start
     stream["accepted"] += len(batch)
@@ -414,8 +437,11 @@ def stream_stats(batch: list, discarded: int, stream: dict, generator: generator
     """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
     (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
     (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
-    published versions (how long after publishing), and each side's idle fraction since training began."""
+    published versions (how long after publishing), each side's idle fraction since training began, and the
+    versions a completion spans (more than one only with --inflight_updates) and each token's staleness."""
     staleness = [g["staleness"] for g in batch]
+    spans = [completion for g in batch for completion in g["spans"]]
+    token_staleness = [s for g in batch for s in g["token_staleness"]]
     lengths = sorted(len(r) for g in batch for r in g["responses"])
     durations = sorted(g["finished"] - g["admitted"] for g in batch)
     loads = [load for g in batch for load in g["loads"]]  # (version, load start, load end) since the last group
@@ -439,8 +465,34 @@ def stream_stats(batch: list, discarded: int, stream: dict, generator: generator
             "rollout/seconds_max": durations[-1], "generator/version": batch[-1]["loaded"],
             **({"weights/load_seconds": sum(end - start for _, start, end in loads) / len(loads)} if loads else {}),
             **({"weights/publish_to_load_seconds": sum(lags) / len(lags)} if lags else {}),
+            "inflight/multi_version_fraction": sum(len(s) > 1 for s in spans) / len(spans),
+            "inflight/versions_per_completion": sum(map(len, spans)) / len(spans),
+            "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
             "idle/learner_fraction": stream["learner_idle"] / elapsed,
             "idle/generator_fraction": stream["generator_idle"] / elapsed}
+
+
+# --- Auditing a run (--record_rollouts): what the learner trained on, and every version that sampled it --------
+def record_groups(batch: list, prompts: list, args: Args) -> None:
+    """The step's groups, a line each in {output_dir}/rollouts.jsonl: the prompt's and completions' tokens, the
+    sampler's per-token log-probs, each completion's (version, first token, end) spans, the sampling temperature."""
+    if args.rank == 0:
+        with open(os.path.join(args.output_dir, "rollouts.jsonl"), "a") as f:
+            for group, prompt in zip(batch, prompts):
+                f.write(json.dumps(dict(index=group["index"], prompt=prompt, responses=group["responses"],
+                                        logprobs=group["logprobs"], spans=group["spans"],
+                                        temperature=args.temperature)) + "\n")
+
+
+def record_version(weight_slots: Optional[torch.Tensor], table: list, version: int, args: Args) -> None:
+    """Version `version`'s weights as the generator loads them (its slot), to {output_dir}/versions/{version}.pt."""
+    if weight_slots is not None:
+        folder = os.path.join(args.output_dir, "versions")
+        if not os.path.exists(os.path.join(folder, "config.json")):  # (the architecture, to load them into)
+            AutoConfig.from_pretrained(args.sft_model_path).save_pretrained(folder)
+        weights = {name: tensor.cpu().clone() for name, tensor in weights_from_buffer(
+            weight_slots[version % len_slots(args)], table)}
+        torch.save(weights, os.path.join(folder, f"{version}.pt"))
 
 
 # --- The reward, a verifier (to train on your own, replace `training_reward`) ------------------------------------
@@ -669,8 +721,9 @@ def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
 def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, requests, results,
                    cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
     """The streaming loop: between engine steps, take the learner's messages (a complete version, an evaluation,
-    stop); with nothing mid-generation, load the newest version; admit groups while the bound allows; step the
-    engine; send each group the moment its K completions have all ended."""
+    stop); load the newest version (with nothing mid-generation, or --inflight_updates: at once); admit groups
+    while the bound allows; step the engine; send each group the moment its K completions have all ended, every
+    token labelled with the version that sampled it."""
     try:
         generator_io.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, stepped by hand
@@ -685,11 +738,12 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         slots, prompts = start["weight_slots"], start["prompts"]
         loaded, newest, running, loads, eval_request = 0, None, {}, [], None  # (version 0: the SFT weights)
         idle, idle_since, go, next_group, taken = 0.0, None, None, 0, 0
+        engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
         while True:
             # The learner's messages; wait for one only when there is nothing else to do
             load_due = newest is not None and newest[0] > loaded
             block = not running and not load_due and eval_request is None and not (
-                go is not None and can_admit(go, next_group, loaded, newest, next_group - taken))
+                go is not None and can_admit(go, next_group, loaded, load_due, next_group - taken))
             while True:
                 try:
                     message = requests.get(timeout=1.0) if block else requests.get_nowait()
@@ -711,15 +765,20 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                     eval_request = message
                 else:
                     raise ValueError(f"unknown message kind {message['kind']}")
-            # ASYNC: drain, then reload: with nothing mid-generation, load the newest complete version
-            if not running and newest is not None and newest[0] > loaded:
+            # ASYNC: load the newest complete version: drain, then reload (with nothing mid-generation), or, with
+            # --inflight_updates, between two engine steps with sequences mid-generation
+            if newest is not None and newest[0] > loaded and (not running or go["inflight_updates"]):
                 load_start = time.time()
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
                     slots[newest[1]], weight_layout)})
                 if torch.cuda.is_available():  # done reading before the learner may rewrite the slot
                     torch.cuda.synchronize()
-                llm.reset_prefix_cache()
                 loaded = newest[0]
+                engine.set_weight_version(str(loaded))  # (the tokens of the next steps are the new version's)
+                # The cached prefixes hold the old weights' KV: emptied. `recompute`: the running sequences are
+                # preempted too, and re-read prompt and tokens so far under the new weights when next scheduled
+                # (`keep`: they go on with their old KV, and no prefix is cached: see engine_kwargs)
+                engine.reset_prefix_cache(reset_running_requests=bool(running) and go["kv_on_update"] == "recompute")
                 loads.append((loaded, load_start, time.time()))
             if eval_request is not None and not running:  # an evaluation: drained, the newest version loaded
                 if idle_since is not None:  # (its time is not idle time)
@@ -728,7 +787,9 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                 eval_request, idle_since = None, time.time() if go is not None else None
                 continue
             # ASYNC: admission control: a group enters the engine only while the bound allows
-            while eval_request is None and go is not None and can_admit(go, next_group, loaded, newest,
+            oldest = min([loaded, *(version for _, version, _ in running.values())])  # (the oldest running group's)
+            load_due = newest is not None and newest[0] > loaded
+            while eval_request is None and go is not None and can_admit(go, next_group, oldest, load_due,
                                                                         next_group - taken):
                 sampling = SamplingParams(n=go["n"], temperature=go["temperature"], max_tokens=go["max_tokens"],
                                           logprobs=0, detokenize=False, stop_token_ids=[stop_id],
@@ -750,9 +811,11 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                     continue
                 group, version, admitted = running.pop(output.request_id)
                 completions = output.outputs
+                # (version, first token, end) spans of each completion: one span unless loaded mid-generation
+                spans = [[(int(s.version), s.start, s.end) for s in c.weight_versions] for c in completions]
                 results.put(dict(
-                    kind="group", index=group, version=version, admitted=admitted, finished=time.time(),
-                    responses=[list(c.token_ids) for c in completions],
+                    kind="group", index=group, version=min(span[0][0] for span in spans if span), admitted=admitted,
+                    finished=time.time(), spans=spans, responses=[list(c.token_ids) for c in completions],
                     logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)] for c in completions],
                     ended=[c.finish_reason == "stop" for c in completions], loaded=loaded, loads=loads,
                     idle_seconds=idle))
@@ -762,21 +825,23 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         raise SystemExit(1)
 
 
-def can_admit(go: dict, next_group: int, loaded: int, newest, in_stream: int) -> bool:
-    """ASYNC: the admission bound. A newer version published: admit nothing, so that the engine drains and loads it.
-    The stream holds at most --max_in_flight groups admitted and not yet taken by the learner (sampling, or finished
-    and waiting). `pace`: admit group g only while g < (k + w + 1) B, w the loaded version: the learner keeps every
-    group and takes them in the order they finish; every group that finishes before g was admitted before g
-    finished, while version w was loaded (nothing loads while g samples), so it is one of the (k + w + 1) B groups
-    0, 1, ...; at most k + w batches were taken before g's, and g arrives at most k versions stale. `drop`: admit
-    while the stream has room; the learner discards what arrives staler than k. (At the default room, (k + 1) B,
-    the room is the bound: the learner had taken w B groups when version w was published, so g < (k + w + 1) B.)"""
-    if newest is not None and newest[0] > loaded:
+def can_admit(go: dict, next_group: int, oldest: int, load_due: bool, in_stream: int) -> bool:
+    """ASYNC: the admission bound. A newer version published and no --inflight_updates: admit nothing, so that the
+    engine drains and loads it. The stream holds at most --max_in_flight groups admitted and not yet taken by the
+    learner (sampling, or finished and waiting). `pace`: admit group g only while g < (k + w + 1) B, w the oldest
+    version a running group was admitted under (the loaded one when none runs; draining, they are all the loaded
+    one): the learner keeps every group and takes them in the order they finish; every group that finishes before g
+    was admitted before g finished, while w was at most g's own version a (g runs), so it is one of the
+    (k + a + 1) B groups 0, 1, ...; at most k + a batches were taken before g's, and g arrives at most k versions
+    stale, counted from its oldest token. `drop`: admit while the stream has room; the learner discards what arrives
+    staler than k. (Draining, the default room (k + 1) B is the bound: the learner had taken w B groups when version
+    w was published, so g < (k + w + 1) B. In-flight, groups admitted under newer versions can pass a slow one.)"""
+    if load_due and not go["inflight_updates"]:
         return False
     if in_stream >= go["max_in_flight"]:
         return False
     if go["stale_policy"] == "pace":
-        return next_group < (go["max_staleness"] + loaded + 1) * go["groups_per_step"]
+        return next_group < (go["max_staleness"] + oldest + 1) * go["groups_per_step"]
     if go["stale_policy"] == "drop":
         return True
     raise ValueError(f"unknown --stale_policy {go['stale_policy']}")
@@ -795,12 +860,15 @@ def evaluation(llm, request: dict, version: int, stop_id: int, SamplingParams, T
 
 def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
     """vLLM's engine. processed_logprobs: log-probs of what is sampled, log_softmax(logits / T);
-    enforce_eager on CPU only (on GPU, CUDA graphs make generation several times faster)."""
+    enforce_eager on CPU only (on GPU, CUDA graphs make generation several times faster). Keeping the KV cache over
+    in-flight loads, no prefix caching: a new request must not reuse a prompt's KV that older weights computed."""
     max_model_len = args.max_prompt_length + max(args.response_length, args.eval_response_length)
     kwargs = dict(model=args.sft_model_path, dtype=args.dtype, seed=args.seed,
                   enforce_eager=not use_cuda, max_model_len=max_model_len,
                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                   logprobs_mode="processed_logprobs")
+    if args.inflight_updates and args.kv_on_update == "keep":  # (a cached prompt's KV could be older weights')
+        kwargs["enable_prefix_caching"] = False
     if not use_cuda:  # size the CPU KV cache for the stream's room: --max_in_flight groups of K
         token_bytes = 2 * config.num_hidden_layers * config.hidden_size * getattr(torch, args.dtype).itemsize
         sequences = min(args.max_in_flight * args.num_samples, 1024)

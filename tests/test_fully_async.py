@@ -63,19 +63,23 @@ def test_the_aggregation_worked_by_hand():
     assert fa.aggregate(mask.clone(), mask, 2, flags(advantage="dr_grpo")).item() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("policy, k, loaded, next_group, in_stream, newest, admit", [
-    ("pace", 2, 0, 23, 5, None, True),  # groups 0..23 may sample with version 0 (k + 0 + 1 = 3 batches of 8)
-    ("pace", 2, 0, 24, 5, None, False),  # group 24 would be taken at version 3 at the earliest: 3 stale
-    ("pace", 2, 1, 31, 5, None, True),  # with version 1 loaded, one batch further
-    ("pace", 0, 4, 39, 1, None, True),  # k = 0: only the batch of the loaded version, 32..39
-    ("pace", 0, 4, 40, 0, None, False),
-    ("drop", 2, 0, 500, 23, None, True),  # drop: only the stream's room counts ((k + 1) B = 24)
-    ("drop", 2, 0, 500, 24, None, False),
-    ("drop", 2, 0, 0, 0, (1, 1), False),  # a newer version published: drain, then load it
+@pytest.mark.parametrize("policy, k, oldest, next_group, in_stream, load_due, inflight, admit", [
+    ("pace", 2, 0, 23, 5, False, False, True),  # groups 0..23 may sample with version 0 (k + 0 + 1 = 3 batches of 8)
+    ("pace", 2, 0, 24, 5, False, False, False),  # group 24 would be taken at version 3 at the earliest: 3 stale
+    ("pace", 2, 1, 31, 5, False, False, True),  # with version 1 the oldest, one batch further
+    ("pace", 0, 4, 39, 1, False, False, True),  # k = 0: only the batch of the loaded version, 32..39
+    ("pace", 0, 4, 40, 0, False, False, False),
+    ("drop", 2, 0, 500, 23, False, False, True),  # drop: only the stream's room counts ((k + 1) B = 24)
+    ("drop", 2, 0, 500, 24, False, False, False),
+    ("drop", 2, 0, 0, 0, True, False, False),  # a newer version published: drain, then load it
+    ("drop", 2, 0, 0, 0, True, True, True),  # ... unless it is loaded in flight: admission goes on
+    ("pace", 2, 1, 31, 5, False, True, True),  # in flight, the oldest running group's version bounds admission:
+    ("pace", 2, 1, 32, 5, False, True, False),  # version 5 may be loaded, a group of version 1 still sampling
 ])
-def test_the_admission_bound(policy, k, loaded, next_group, in_stream, newest, admit):
-    go = dict(max_staleness=k, groups_per_step=8, stale_policy=policy, max_in_flight=(k + 1) * 8)
-    assert fa.can_admit(go, next_group, loaded, newest, in_stream) == admit
+def test_the_admission_bound(policy, k, oldest, next_group, in_stream, load_due, inflight, admit):
+    go = dict(max_staleness=k, groups_per_step=8, stale_policy=policy, max_in_flight=(k + 1) * 8,
+              inflight_updates=inflight)
+    assert fa.can_admit(go, next_group, oldest, load_due, in_stream) == admit
 
 
 @pytest.mark.parametrize("flags_, message", [

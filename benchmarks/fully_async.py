@@ -1,0 +1,191 @@
+"""The fully asynchronous schedules measured on the long-tailed chains world: `fully_async_grpo.py --model tiny`.
+
+Three tables, three seeds each, every run at the demo's hyperparameters (B = 16 groups of K = 4 a step, learning
+rate 1e-4) for --steps steps, evaluated (greedy pass@1) on all 400 test problems at the start, half-way and at the
+end, so that every gain is paired on the same problems:
+  1. the schedules: synchronous (k = 0); k in {1, 2, 4, 8} with `pace` (k = 1 is the paper's one-step schedule,
+     streamed: groups are taken as they finish, not as one batch); with `drop` and twice the bound's room (at the
+     default room `drop` is `pace`: docs/fully_async.md); k = 2 with in-flight weight updates (`recompute`, `keep`).
+     Pass@1 against steps (samples) and seconds, each side's idle fraction, staleness histograms, discards.
+  2. naive against decoupled (AReaL's staleness table in miniature): `--proximal behaviour` (the ratio against the
+     sampler) beside the `pace` runs of table 1 (`recompute`, decoupled PPO) at each k.
+  3. in-flight updates against drain-then-reload where generation is the bottleneck: k = 2, B = 4 groups a step,
+     so that the generator drains its long tail every step; seconds a step, samples a second, the speed-up.
+Gaps are paired by seed (the same seed: the same prompt order and initial weights) and judged on the
+t-distribution's two-sided 95% threshold; "inconclusive" where they do not pass it. Saves fully_async.png (pass@1
+against samples and against seconds, one line per schedule). Every run keeps its folder in --runs_dir; a finished
+run is read, not run again (the sweep resumes).
+
+    python benchmarks/fully_async.py            # 54 runs: about an hour on 2 cores
+    python benchmarks/fully_async.py --quick    # four short runs, one seed: checks the benchmark, measures nothing
+"""
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+import tyro
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from fully_async_demo import T_95, histogram, mean_se  # noqa: E402
+from fully_async_demo import run as run_once  # noqa: E402
+
+B = 16  # groups a step (the demo's)
+
+
+@dataclass
+class Args:
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """seeds of every configuration"""
+    steps: int = 48
+    """optimizer steps a run (tables 1 and 2: B = 16 groups of 4 a step; table 3: B = 4, twice as many steps)"""
+    runs_dir: str = os.path.join(HERE, "runs", "fully_async")
+    """where every run keeps its folder (a finished run is read, not run again)"""
+    plot_dir: str = HERE
+    """where the PNG goes"""
+    quick: bool = False
+    """one seed, four short runs (one of each kind): checks that the benchmark works, measures nothing"""
+
+
+def stream(k: int, policy: str = "pace", *more: str) -> tuple:
+    room = ("--max_in_flight", str(2 * (k + 1) * B)) if policy == "drop" else ()
+    return ("--max_staleness", str(k), "--stale_policy", policy, *room, *more)
+
+
+SCHEDULES = {"k = 0 (synchronous)": stream(0), **{f"k = {k}, pace": stream(k) for k in (1, 2, 4, 8)},
+             **{f"k = {k}, drop (room 2(k+1)B)": stream(k, "drop") for k in (1, 2, 4, 8)},
+             "k = 2, pace, in-flight (recompute)": stream(2, "pace", "--inflight_updates"),
+             "k = 2, pace, in-flight (keep)": stream(2, "pace", "--inflight_updates", "--kv_on_update", "keep")}
+NAIVE = {f"k = {k}, pace, naive": stream(k, "pace", "--proximal", "behaviour") for k in (1, 2, 4, 8)}
+SMALL_BATCH = ("--batch_size", "16", "--per_device_train_batch_size", "16")  # B = 4 groups of 4
+DRAIN_OR_INFLIGHT = {"B = 4, drain then reload": stream(2, "pace", *SMALL_BATCH),
+                     "B = 4, in-flight (recompute)": stream(2, "pace", "--inflight_updates", *SMALL_BATCH),
+                     "B = 4, in-flight (keep)": stream(2, "pace", "--inflight_updates", "--kv_on_update", "keep",
+                                                       *SMALL_BATCH)}
+QUICK = ("k = 0 (synchronous)", "k = 2, drop (room 2(k+1)B)", "k = 2, pace, naive", "B = 4, in-flight (recompute)")
+
+
+def folder_name(name: str, seed: int) -> str:
+    keep = "".join(c if c.isalnum() else "_" for c in name)
+    return f"{'_'.join(part for part in keep.split('_') if part)}__seed{seed}"
+
+
+def sweep(configs: dict, args: Args) -> dict:
+    """{name: {seed: (steps, evals, regime)}} for the configurations this mode runs."""
+    names = [name for name in configs if not args.quick or name in QUICK]
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    steps = 4 if args.quick else args.steps
+    results = {}
+    for name in names:
+        per_step = 4 if "B = 4" in name else B
+        length = ("--total_episodes", str(steps * 4 * per_step * (2 if per_step == 4 else 1)),
+                  "--eval_every", str(steps // 2 * (2 if per_step == 4 else 1)))
+        quick = ("--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick \
+            else ()
+        results[name] = {seed: run_once(folder_name(name, seed), args, "--seed", str(seed), *configs[name], *length,
+                                        *quick) for seed in seeds}
+    return results
+
+
+def paired(values: list[float], baseline: list[float]) -> str:
+    """The per-seed difference, mean ± s.e., its t and the verdict at the two-sided 95% threshold."""
+    gaps = [a - b for a, b in zip(values, baseline)]
+    if len(gaps) < 2:
+        return f"{gaps[0]:+.3f} (one seed)"
+    se = statistics.stdev(gaps) / len(gaps) ** 0.5
+    t = statistics.mean(gaps) / se if se > 0 else float("inf")
+    verdict = "differs" if abs(t) > T_95[len(gaps) - 1] else "inconclusive"
+    return f"{statistics.mean(gaps):+.3f} ± {se:.3f} (t = {t:.1f} against {T_95[len(gaps) - 1]}: {verdict})"
+
+
+def final(runs: dict) -> list[float]:
+    return [evals[-1]["eval/pass_at_1"] for _, evals, _ in runs.values()]
+
+
+def pooled(runs: dict, key: str) -> float:
+    """The mean of a per-step metric over every step of every seed."""
+    return statistics.mean(r[key] for steps, _, _ in runs.values() for r in steps)
+
+
+def report_schedules(results: dict) -> None:
+    print("\n1. The schedules (B = 16 groups of 4; pass@1 greedy on the same test problems at step 0 and at the end; "
+          "mean ± s.e. over seeds):")
+    base = next(iter(results.values()))
+    print(f"   SFT policy: {mean_se([evals[0]['eval/pass_at_1'] for _, evals, _ in base.values()])}")
+    sync = results.get("k = 0 (synchronous)")
+    for name, runs in results.items():
+        steps = [s for s, _, _ in runs.values()]
+        seconds = [s[-1]["time/elapsed"] for s in steps]
+        discarded = sum(s[-1]["rollouts/discarded_total"] for s in steps)
+        accepted = sum(s[-1]["rollouts/accepted_total"] for s in steps)
+        gain = paired(final(runs), [evals[0]["eval/pass_at_1"] for _, evals, _ in runs.values()])
+        print(f"   {name:<36} pass@1 {mean_se(final(runs))}, gain {gain}")
+        print(f"   {'':<36} {statistics.mean(seconds):.0f} s of training; idle: learner "
+              f"{pooled(runs, 'idle/learner_fraction'):.2f}, generator {pooled(runs, 'idle/generator_fraction'):.2f}"
+              f"; staleness {histogram([r for s in steps for r in s])} (tokens' mean "
+              f"{pooled(runs, 'staleness/token_mean'):.2f}); discarded {discarded / (discarded + accepted):.0%}; "
+              f"completions over 2+ versions {pooled(runs, 'inflight/multi_version_fraction'):.0%}")
+        if sync is not None and runs is not sync:
+            print(f"   {'':<36} against k = 0: pass@1 {paired(final(runs), final(sync))}; seconds "
+                  f"{paired(seconds, [s[-1]['time/elapsed'] for s, _, _ in sync.values()])}")
+
+
+def report_naive(naive: dict, schedules: dict) -> None:
+    print("\n2. Naive (--proximal behaviour) against decoupled (recompute), final pass@1, mean ± s.e.:")
+    for name, runs in naive.items():
+        decoupled = schedules.get(name.replace(", naive", ""))
+        against = (f"; decoupled {mean_se(final(decoupled))}; naive - decoupled "
+                   f"{paired(final(runs), final(decoupled))}") if decoupled else ""
+        print(f"   {name:<24} naive {mean_se(final(runs))}{against}")
+
+
+def report_inflight(results: dict) -> None:
+    print("\n3. In-flight updates against drain-then-reload where generation is the bottleneck (k = 2, B = 4):")
+    drain = results.get("B = 4, drain then reload")
+    for name, runs in results.items():
+        per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in runs.values()]
+        line = (f"   {name:<30} {statistics.mean(per_step):.3f} s a step; idle: learner "
+                f"{pooled(runs, 'idle/learner_fraction'):.2f}; completions over 2+ versions "
+                f"{pooled(runs, 'inflight/multi_version_fraction'):.0%}, versions a completion "
+                f"{pooled(runs, 'inflight/versions_per_completion'):.2f}; tokens' staleness "
+                f"{pooled(runs, 'staleness/token_mean'):.2f}; pass@1 {mean_se(final(runs))}")
+        if drain is not None and runs is not drain:
+            drain_per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in drain.values()]
+            speedups = [d / p for d, p in zip(drain_per_step, per_step)]
+            line += f"\n   {'':<30} speed-up over drain-then-reload {mean_se(speedups)}x; seconds a step " \
+                    f"{paired(per_step, drain_per_step)}"
+        print(line)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, runs in results.items():
+        evals = [e for _, e, _ in runs.values()]
+        mean = [statistics.mean(e[i]["eval/pass_at_1"] for e in evals) for i in range(len(evals[0]))]
+        samples = [e["step"] * B * 4 for e in evals[0]]
+        seconds = [statistics.mean(e[i]["time/elapsed"] for e in evals) for i in range(len(evals[0]))]
+        style = "--" if "drop" in name else ":" if "in-flight" in name else "-"
+        axes[0].plot(samples, mean, style, marker="o", label=name)
+        axes[1].plot(seconds, mean, style, marker="o")
+    axes[0].set(xlabel="completions trained on", ylabel="greedy pass@1 (400 test problems, mean of seeds)")
+    axes[1].set(xlabel="seconds of training (mean of seeds)", ylabel="greedy pass@1")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("python benchmarks/fully_async.py (the chains world, 2 CPU cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot saved to {path}")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    schedules, naive, inflight = sweep(SCHEDULES, args), sweep(NAIVE, args), sweep(DRAIN_OR_INFLIGHT, args)
+    report_schedules(schedules)
+    report_naive(naive, schedules)
+    report_inflight(inflight)
+    plot(schedules, os.path.join(args.plot_dir, "fully_async.png"))
