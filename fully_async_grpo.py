@@ -99,9 +99,11 @@ class Args:
     # The stream: how stale a group may be, and what happens to one that would be staler
     max_staleness: int = 2
     """k: a group trains the learner at most k versions after the version that sampled it (0: synchronous)"""
-    stale_policy: Literal["pace", "drop"] = "pace"
+    stale_policy: Literal["pace", "drop", "head"] = "pace"
     """`pace`: admit a group only if it cannot arrive staler than k; `drop`: admit while the stream has room, and
-    discard (and count) what arrives staler"""
+    discard (and count) what arrives staler; `head`: admit while the sampler is at most k versions ahead of the
+    learner (AReaL's max_head_offpolicyness): with --inflight_updates a long completion's first tokens may then
+    arrive staler than k, its later ones fresher (draining, `head` is `pace`)"""
     max_in_flight: Optional[int] = None
     """the stream's room: groups admitted and not yet taken by the learner, sampling or waiting (default, filled in
     by resolve_args: (k + 1) B, the bound's own room: then `drop` never has to discard; more lets it run ahead)"""
@@ -402,8 +404,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 def take_groups(generator: generator_io.Generator, stream: dict, version: int, args: Args) -> tuple[list, int]:
     """B groups for the step at `version`, in the order they finished (groups that arrived during an evaluation
     first). Under `drop` a group whose sampler is more than k versions behind is discarded, and counted; under `pace`
-    the generator never samples one (a violation is an error: the bound is the invariant). Also counts the learner's
-    wait and the generator's idle time (its clock, as its last message reported it)."""
+    the generator never samples one (a violation is an error: the bound is the invariant); `head` bounds admission
+    only, and keeps every group. Also counts the learner's wait and the generator's idle time (its clock, as its
+    last message reported it)."""
     batch, discarded, wait_start = [], 0, time.time()
     while len(batch) < args.groups_per_step:
         group = stream["early"].pop(0) if stream["early"] else collect(generator, args)
@@ -411,7 +414,7 @@ def take_groups(generator: generator_io.Generator, stream: dict, version: int, a
         if group["kind"] != "group":
             raise RuntimeError(f"expected a group from the generator, got {group['kind']}")
         staleness = version - group["version"]
-        if staleness > args.max_staleness:
+        if staleness > args.max_staleness and args.stale_policy != "head":
             if args.stale_policy == "pace":
                 raise RuntimeError(f"a group {staleness} versions stale under --stale_policy pace (k = "
                                    f"{args.max_staleness}): the admission bound failed")
@@ -743,7 +746,7 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
             # The learner's messages; wait for one only when there is nothing else to do
             load_due = newest is not None and newest[0] > loaded
             block = not running and not load_due and eval_request is None and not (
-                go is not None and can_admit(go, next_group, loaded, load_due, next_group - taken))
+                go is not None and can_admit(go, next_group, next_group - taken, loaded, loaded, load_due))
             while True:
                 try:
                     message = requests.get(timeout=1.0) if block else requests.get_nowait()
@@ -789,8 +792,8 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
             # ASYNC: admission control: a group enters the engine only while the bound allows
             oldest = min([loaded, *(version for _, version, _ in running.values())])  # (the oldest running group's)
             load_due = newest is not None and newest[0] > loaded
-            while eval_request is None and go is not None and can_admit(go, next_group, oldest, load_due,
-                                                                        next_group - taken):
+            while eval_request is None and go is not None and can_admit(go, next_group, next_group - taken, loaded,
+                                                                        oldest, load_due):
                 sampling = SamplingParams(n=go["n"], temperature=go["temperature"], max_tokens=go["max_tokens"],
                                           logprobs=0, detokenize=False, stop_token_ids=[stop_id],
                                           seed=core.sampling_seed(go["seed"], "train", next_group),
@@ -825,23 +828,26 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         raise SystemExit(1)
 
 
-def can_admit(go: dict, next_group: int, oldest: int, load_due: bool, in_stream: int) -> bool:
+def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: int, load_due: bool) -> bool:
     """ASYNC: the admission bound. A newer version published and no --inflight_updates: admit nothing, so that the
     engine drains and loads it. The stream holds at most --max_in_flight groups admitted and not yet taken by the
     learner (sampling, or finished and waiting). `pace`: admit group g only while g < (k + w + 1) B, w the oldest
-    version a running group was admitted under (the loaded one when none runs; draining, they are all the loaded
-    one): the learner keeps every group and takes them in the order they finish; every group that finishes before g
-    was admitted before g finished, while w was at most g's own version a (g runs), so it is one of the
+    version a running group was admitted under (`oldest`; the loaded one when none runs; draining, they are all the
+    loaded one): the learner keeps every group and takes them in the order they finish; every group that finishes
+    before g was admitted before g finished, while w was at most g's own version a (g runs), so it is one of the
     (k + a + 1) B groups 0, 1, ...; at most k + a batches were taken before g's, and g arrives at most k versions
-    stale, counted from its oldest token. `drop`: admit while the stream has room; the learner discards what arrives
-    staler than k. (Draining, the default room (k + 1) B is the bound: the learner had taken w B groups when version
-    w was published, so g < (k + w + 1) B. In-flight, groups admitted under newer versions can pass a slow one.)"""
+    stale, counted from its oldest token. In flight, a slow group thus holds admission back until it ends. `head`:
+    w the loaded version (AReaL's rule): the sampler runs at most k versions ahead, and a slow group's first tokens
+    may arrive staler. `drop`: admit while the stream has room; the learner discards what arrives staler than k.
+    (Draining, the default room (k + 1) B is the bound: the learner had taken w B groups when version w was
+    published, so g < (k + w + 1) B.)"""
     if load_due and not go["inflight_updates"]:
         return False
     if in_stream >= go["max_in_flight"]:
         return False
-    if go["stale_policy"] == "pace":
-        return next_group < (go["max_staleness"] + oldest + 1) * go["groups_per_step"]
+    if go["stale_policy"] in ("pace", "head"):
+        version = oldest if go["stale_policy"] == "pace" else loaded
+        return next_group < (go["max_staleness"] + version + 1) * go["groups_per_step"]
     if go["stale_policy"] == "drop":
         return True
     raise ValueError(f"unknown --stale_policy {go['stale_policy']}")

@@ -55,15 +55,17 @@ def stream(k: int, policy: str = "pace", *more: str) -> tuple:
 
 SCHEDULES = {"k = 0 (synchronous)": stream(0), **{f"k = {k}, pace": stream(k) for k in (1, 2, 4, 8)},
              **{f"k = {k}, drop (room 2(k+1)B)": stream(k, "drop") for k in (1, 2, 4, 8)},
-             "k = 2, pace, in-flight (recompute)": stream(2, "pace", "--inflight_updates"),
-             "k = 2, pace, in-flight (keep)": stream(2, "pace", "--inflight_updates", "--kv_on_update", "keep")}
+             "k = 2, head, in-flight (recompute)": stream(2, "head", "--inflight_updates"),
+             "k = 2, head, in-flight (keep)": stream(2, "head", "--inflight_updates", "--kv_on_update", "keep")}
 NAIVE = {f"k = {k}, pace, naive": stream(k, "pace", "--proximal", "behaviour") for k in (1, 2, 4, 8)}
 SMALL_BATCH = ("--batch_size", "16", "--per_device_train_batch_size", "16")  # B = 4 groups of 4
 DRAIN_OR_INFLIGHT = {"B = 4, drain then reload": stream(2, "pace", *SMALL_BATCH),
-                     "B = 4, in-flight (recompute)": stream(2, "pace", "--inflight_updates", *SMALL_BATCH),
-                     "B = 4, in-flight (keep)": stream(2, "pace", "--inflight_updates", "--kv_on_update", "keep",
-                                                       *SMALL_BATCH)}
-QUICK = ("k = 0 (synchronous)", "k = 2, drop (room 2(k+1)B)", "k = 2, pace, naive", "B = 4, in-flight (recompute)")
+                     "B = 4, pace, in-flight (recompute)": stream(2, "pace", "--inflight_updates", *SMALL_BATCH),
+                     "B = 4, head, in-flight (recompute)": stream(2, "head", "--inflight_updates", *SMALL_BATCH),
+                     "B = 4, head, in-flight (keep)": stream(2, "head", "--inflight_updates", "--kv_on_update",
+                                                             "keep", *SMALL_BATCH)}
+QUICK = ("k = 2, drop (room 2(k+1)B)", "k = 2, pace, naive", "B = 4, drain then reload",
+         "B = 4, head, in-flight (recompute)")
 
 
 def folder_name(name: str, seed: int) -> str:

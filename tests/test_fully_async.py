@@ -4,6 +4,7 @@ pace: by never sampling what would arrive staler), k = 0 on-policy, the first st
 import math
 import os
 import signal
+import statistics
 import subprocess
 import time
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from test_failures import STOPS_WITHIN, assert_all_gone, generator_of, wait_for_
 from test_shutdown import assert_clean_exit
 
 import fully_async_grpo as fa
+from benchmarks import token_versions
 from plumbing import checkpoint
 
 
@@ -63,23 +65,25 @@ def test_the_aggregation_worked_by_hand():
     assert fa.aggregate(mask.clone(), mask, 2, flags(advantage="dr_grpo")).item() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("policy, k, oldest, next_group, in_stream, load_due, inflight, admit", [
-    ("pace", 2, 0, 23, 5, False, False, True),  # groups 0..23 may sample with version 0 (k + 0 + 1 = 3 batches of 8)
-    ("pace", 2, 0, 24, 5, False, False, False),  # group 24 would be taken at version 3 at the earliest: 3 stale
-    ("pace", 2, 1, 31, 5, False, False, True),  # with version 1 the oldest, one batch further
-    ("pace", 0, 4, 39, 1, False, False, True),  # k = 0: only the batch of the loaded version, 32..39
-    ("pace", 0, 4, 40, 0, False, False, False),
-    ("drop", 2, 0, 500, 23, False, False, True),  # drop: only the stream's room counts ((k + 1) B = 24)
-    ("drop", 2, 0, 500, 24, False, False, False),
-    ("drop", 2, 0, 0, 0, True, False, False),  # a newer version published: drain, then load it
-    ("drop", 2, 0, 0, 0, True, True, True),  # ... unless it is loaded in flight: admission goes on
-    ("pace", 2, 1, 31, 5, False, True, True),  # in flight, the oldest running group's version bounds admission:
-    ("pace", 2, 1, 32, 5, False, True, False),  # version 5 may be loaded, a group of version 1 still sampling
+@pytest.mark.parametrize("policy, k, loaded, oldest, next_group, in_stream, load_due, inflight, admit", [
+    ("pace", 2, 0, 0, 23, 5, False, False, True),  # groups 0..23 may sample with version 0 (3 batches of 8)
+    ("pace", 2, 0, 0, 24, 5, False, False, False),  # group 24 would be taken at version 3 at the earliest: 3 stale
+    ("pace", 2, 1, 1, 31, 5, False, False, True),  # with version 1 loaded, one batch further
+    ("pace", 0, 4, 4, 39, 1, False, False, True),  # k = 0: only the batch of the loaded version, 32..39
+    ("pace", 0, 4, 4, 40, 0, False, False, False),
+    ("drop", 2, 0, 0, 500, 23, False, False, True),  # drop: only the stream's room counts ((k + 1) B = 24)
+    ("drop", 2, 0, 0, 500, 24, False, False, False),
+    ("drop", 2, 0, 0, 0, 0, True, False, False),  # a newer version published: drain, then load it
+    ("drop", 2, 0, 0, 0, 0, True, True, True),  # ... unless it is loaded in flight: admission goes on
+    ("pace", 2, 5, 1, 31, 5, False, True, True),  # in flight, pace: the oldest running group's version bounds
+    ("pace", 2, 5, 1, 32, 5, False, True, False),  # admission (version 5 loaded, a group of version 1 sampling)
+    ("head", 2, 5, 1, 63, 5, False, True, True),  # head: the loaded version does ((k + 5 + 1) B = 64)
+    ("head", 2, 5, 1, 64, 5, False, True, False),
 ])
-def test_the_admission_bound(policy, k, oldest, next_group, in_stream, load_due, inflight, admit):
+def test_the_admission_bound(policy, k, loaded, oldest, next_group, in_stream, load_due, inflight, admit):
     go = dict(max_staleness=k, groups_per_step=8, stale_policy=policy, max_in_flight=(k + 1) * 8,
               inflight_updates=inflight)
-    assert fa.can_admit(go, next_group, oldest, load_due, in_stream) == admit
+    assert fa.can_admit(go, next_group, in_stream, loaded, oldest, load_due) == admit
 
 
 @pytest.mark.parametrize("flags_, message", [
@@ -178,3 +182,29 @@ def test_ctrl_c_stops_the_stream(chains_dir, tmp_path):
     children = wait_for_training(process, str(tmp_path), step_metric="staleness/mean")
     os.killpg(process.pid, signal.SIGINT)  # what a terminal does: SIGINT to the whole foreground group
     assert "interrupted" in stopped(process, 130, children)
+
+
+def test_every_tokens_log_prob_is_its_own_versions(chains_dir, tmp_path):
+    """In-flight weight updates (k = 2, B = 4 groups a step: versions arrive while completions sample): each
+    completion's tokens are labelled with the versions that sampled them. `recompute`: every token's log-prob from the
+    sampler equals its own version's, the prompt and prefix re-read under it, within 1e-4 (fp32 on a CPU; the largest
+    gap measured is ~2e-5, while neighbouring versions differ by ~1e-3 at this learning rate), and mislabelled by one
+    version the check fails. `keep`: the tokens of a completion's first version still match, those sampled after a
+    load do not: the KV cache of their prefix is the older weights'."""
+    tolerance, gaps = token_versions.TOLERANCE, {}
+    for kv in ("recompute", "keep"):
+        out = tmp_path / kv
+        result = run_script(*stream_flags(chains_dir, out, "--total_episodes", "192", "--batch_size", "16",
+                                          "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
+                                          "--inflight_updates", "--kv_on_update", kv, "--record_rollouts"),
+                            script="fully_async_grpo.py")
+        assert result.returncode == 0, result.stderr[-3000:]
+        steps, _ = stream_metrics(out)
+        assert len(steps) == 12 and all(r["staleness/max"] <= 2 for r in steps)
+        assert statistics.mean(r["inflight/multi_version_fraction"] for r in steps) > 0.2
+        gaps[kv] = token_versions.token_gaps(str(out))
+        assert gaps[kv]["first"].max() < tolerance and len(gaps[kv]["later"]) > 100, kv
+    assert gaps["recompute"]["later"].max() < tolerance
+    mislabelled = token_versions.token_gaps(str(tmp_path / "recompute"), mislabel=1)
+    assert (mislabelled["first"] > tolerance).float().mean() > 0.3, mislabelled
+    assert (gaps["keep"]["later"] > tolerance).float().mean() > 0.3
