@@ -2,11 +2,13 @@
 
 Where async_dpo.py keeps one batch in flight (every step exactly one version stale), here the generator streams:
 it keeps many prompts' groups (a prompt's K samples) in its engine at once, stepping it by hand, and sends each group
-to the learner the moment its last completion ends, tagged with the weight version that sampled it. A bound keeps
-the data fresh enough: no group trains a learner more than --max_staleness k versions ahead of its sampler.
+to the learner the moment its last completion ends, every token tagged with the weight version that sampled it. A
+bound keeps the data fresh enough: no group trains a learner more than --max_staleness k versions ahead of its
+sampler (its oldest token's).
   Generator (`generator_main`): admit a group while the bound allows (`pace`: only a group that will not arrive too
-    stale; `drop`: as many as the stream holds), step the engine, send each finished group; with nothing
-    mid-generation, load the newest version the learner published (its slot among k + 1).
+    stale; `drop`: as many as the stream holds; `head`: while at most k versions ahead), step the engine, send each
+    finished group; load the newest version the learner published (its slot among k + 1) with nothing
+    mid-generation, or (--inflight_updates) between two engine steps, the running completions going on under it.
   Learner, step v of the loop in `main()`:
     1. take B groups from the stream, each as it arrives (`drop`: discard those more than k versions old);
     2. grade the completions (the verifier) and compute the group-relative advantages;
@@ -362,9 +364,10 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         version += 1
 
         # 5. ASYNC: publish the new version in slot version mod (k + 1), and how many groups were taken (the
-        # stream's room). The slot held version - k - 1, which the generator has left behind: this step's groups
-        # came from versions >= version - 1 - k, so it had loaded one of those or newer, and it never loads back.
-        # It loads the new version once nothing is mid-generation
+        # stream's room). The slot held version - k - 1, which the generator has left behind: the learner has
+        # taken version x B groups, and the bound admitted group version x B - 1 only with a version >= version
+        # - 1 - k loaded (drop: this step's groups came from such versions), and it never loads back. It loads
+        # the new version once nothing is mid-generation (in flight: at its next engine step)
         sync_start, slot = time.time(), version % len_slots(args)
         write_weight_snapshot(policy, None if weight_slots is None else weight_slots[slot], weight_layout)
         submit(generator, dict(kind="weights", version=version, slot=slot, taken=stream["taken"]))

@@ -5,19 +5,21 @@ rate 1e-4) for --steps steps, evaluated (greedy pass@1) on all 400 test problems
 end, so that every gain is paired on the same problems:
   1. the schedules: synchronous (k = 0); k in {1, 2, 4, 8} with `pace` (k = 1 is the paper's one-step schedule,
      streamed: groups are taken as they finish, not as one batch); with `drop` and twice the bound's room (at the
-     default room `drop` is `pace`: docs/fully_async.md); k = 2 with in-flight weight updates (`recompute`, `keep`).
+     default room `drop` is `pace`: docs/fully_async.md, and the k = 2 row at that room shows it); k = 2 with
+     in-flight weight updates under `head` (`recompute`, `keep`).
      Pass@1 against steps (samples) and seconds, each side's idle fraction, staleness histograms, discards.
   2. naive against decoupled (AReaL's staleness table in miniature): `--proximal behaviour` (the ratio against the
      sampler) beside the `pace` runs of table 1 (`recompute`, decoupled PPO) at each k.
   3. in-flight updates against drain-then-reload where generation is the bottleneck: k = 2, B = 4 groups a step,
-     so that the generator drains its long tail every step; seconds a step, samples a second, the speed-up.
+     so that the generator drains its long tail every step; in flight under `pace` (the bound by the oldest token:
+     a slow group still holds admission back) and `head` (AReaL's rule); seconds a step, the speed-up.
 Gaps are paired by seed (the same seed: the same prompt order and initial weights) and judged on the
 t-distribution's two-sided 95% threshold; "inconclusive" where they do not pass it. Saves fully_async.png (pass@1
 against samples and against seconds, one line per schedule). Every run keeps its folder in --runs_dir; a finished
 run is read, not run again (the sweep resumes).
 
-    python benchmarks/fully_async.py            # 54 runs: about an hour on 2 cores
-    python benchmarks/fully_async.py --quick    # four short runs, one seed: checks the benchmark, measures nothing
+    python benchmarks/fully_async.py            # 60 runs: about 100 minutes on 2 cores
+    python benchmarks/fully_async.py --quick    # five short runs, one seed: checks the benchmark, measures nothing
 """
 import os
 import statistics
@@ -45,7 +47,7 @@ class Args:
     plot_dir: str = HERE
     """where the PNG goes"""
     quick: bool = False
-    """one seed, four short runs (one of each kind): checks that the benchmark works, measures nothing"""
+    """one seed, five short runs (each kind): checks that the benchmark works, measures nothing"""
 
 
 def stream(k: int, policy: str = "pace", *more: str) -> tuple:
@@ -55,6 +57,7 @@ def stream(k: int, policy: str = "pace", *more: str) -> tuple:
 
 SCHEDULES = {"k = 0 (synchronous)": stream(0), **{f"k = {k}, pace": stream(k) for k in (1, 2, 4, 8)},
              **{f"k = {k}, drop (room 2(k+1)B)": stream(k, "drop") for k in (1, 2, 4, 8)},
+             "k = 2, drop (default room)": ("--max_staleness", "2", "--stale_policy", "drop"),
              "k = 2, head, in-flight (recompute)": stream(2, "head", "--inflight_updates"),
              "k = 2, head, in-flight (keep)": stream(2, "head", "--inflight_updates", "--kv_on_update", "keep")}
 NAIVE = {f"k = {k}, pace, naive": stream(k, "pace", "--proximal", "behaviour") for k in (1, 2, 4, 8)}
@@ -64,8 +67,8 @@ DRAIN_OR_INFLIGHT = {"B = 4, drain then reload": stream(2, "pace", *SMALL_BATCH)
                      "B = 4, head, in-flight (recompute)": stream(2, "head", "--inflight_updates", *SMALL_BATCH),
                      "B = 4, head, in-flight (keep)": stream(2, "head", "--inflight_updates", "--kv_on_update",
                                                              "keep", *SMALL_BATCH)}
-QUICK = ("k = 2, drop (room 2(k+1)B)", "k = 2, pace, naive", "B = 4, drain then reload",
-         "B = 4, head, in-flight (recompute)")
+QUICK = ("k = 2, drop (default room)", "k = 2, drop (room 2(k+1)B)", "k = 2, pace, naive",
+         "B = 4, drain then reload", "B = 4, head, in-flight (recompute)")
 
 
 def folder_name(name: str, seed: int) -> str:

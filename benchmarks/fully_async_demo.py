@@ -1,15 +1,14 @@
-"""The fully asynchronous demo, measured: `fully_async_grpo.py --model tiny` over three seeds, and the staleness the
-stream produces at k = 4 under `pace` and `drop` (at the bound's own room, and with twice the room).
+"""The fully asynchronous demo, measured: `fully_async_grpo.py --model tiny` over three seeds (the schedules beside
+it, `pace` against `drop`, in-flight updates: benchmarks/fully_async.py).
 
 Prints the demo's greedy pass@1 on the chains world's 400 test problems at every evaluation (mean ± standard error
 over seeds), the gain from the SFT policy with its paired t-statistic against the t-distribution's two-sided 95%
-threshold, and, for each k = 4 run, the staleness histogram over the whole run, the groups discarded, the lengths,
-each side's idle fraction and the regime line. Saves fully_async_demo.png (pass@1 against step and against time).
-Every run keeps its folder in --runs_dir; a run whose folder holds its final evaluation is read, not run again
-(the sweep resumes where it stopped).
+threshold, and each seed's staleness histogram and regime line. Saves fully_async_demo.png (pass@1 against step and
+against time). Every run keeps its folder in --runs_dir; a run whose folder holds its final evaluation is read, not
+run again (the sweep resumes where it stopped).
 
-    python benchmarks/fully_async_demo.py            # ~30 minutes on 2 cores
-    python benchmarks/fully_async_demo.py --quick    # one seed, short runs: checks the benchmark, measures nothing
+    python benchmarks/fully_async_demo.py            # ~8 minutes on 2 cores
+    python benchmarks/fully_async_demo.py --quick    # one seed, a short run: checks the benchmark, measures nothing
 """
 import json
 import os
@@ -35,13 +34,6 @@ class Args:
     """where the PNG goes"""
     quick: bool = False
     """one seed and a few steps of each run: checks that the benchmark works, measures nothing"""
-
-
-# The k = 4 runs: the staleness histograms of pace and drop (at the default room, (k + 1) B, and at twice it)
-STALENESS_RUNS = {"pace, k = 4": ("--max_staleness", "4", "--stale_policy", "pace"),
-                  "drop, k = 4": ("--max_staleness", "4", "--stale_policy", "drop"),
-                  "drop, k = 4, room 2 (k + 1) B": ("--max_staleness", "4", "--stale_policy", "drop",
-                                                    "--max_in_flight", "160")}
 
 
 def run(name: str, args: Args, *flags: str) -> tuple[list, list, str]:
@@ -101,19 +93,6 @@ def histogram(steps: list) -> str:
     return "{" + ", ".join(f"{s}: {n / total:.2f}" for s, n in sorted(counts.items())) + "}"
 
 
-def report_staleness(runs: dict) -> None:
-    print("\nthe stream at k = 4 (seed 1): staleness of the groups trained on (share of them), discards, lengths:")
-    for name, (steps, evals, regime) in runs.items():
-        discarded, accepted = steps[-1]["rollouts/discarded_total"], steps[-1]["rollouts/accepted_total"]
-        mean = {key: statistics.mean(r[key] for r in steps) for key in
-                ("staleness/mean", "length/p50", "length/p90", "length/p99")}
-        print(f"  {name:<30} staleness {histogram(steps)}; mean {mean['staleness/mean']:.2f}; discarded "
-              f"{discarded} of {discarded + accepted} groups; pass@1 {evals[0]['eval/pass_at_1']:.3f} -> "
-              f"{evals[-1]['eval/pass_at_1']:.3f}")
-        print(f"  {'':<30} length p50/p90/p99 (mean over steps) {mean['length/p50']:.0f}/{mean['length/p90']:.0f}/"
-              f"{mean['length/p99']:.0f} tokens; {regime}")
-
-
 def plot(demo: dict, path: str) -> None:
     import matplotlib
 
@@ -139,8 +118,5 @@ if __name__ == "__main__":
              "--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick else ()
     seeds = args.seeds[:1] if args.quick else args.seeds
     demo = {seed: run(f"demo_seed{seed}", args, "--seed", str(seed), *quick) for seed in seeds}
-    staleness = {name: run(name.replace(", ", "_").replace(" = ", "").replace(" ", "_"), args, *flags, *quick)
-                 for name, flags in STALENESS_RUNS.items()}
     report_demo(demo)
-    report_staleness(staleness)
     plot(demo, os.path.join(args.plot_dir, "fully_async_demo.png"))

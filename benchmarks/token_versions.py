@@ -38,8 +38,10 @@ class Args:
 
 def completions(run_dir: str) -> list[dict]:
     """A dict per completion: prompt, tokens, the sampler's log-probs, each token's version, the temperature."""
-    rows = []
-    for line in open(os.path.join(run_dir, "rollouts.jsonl")):
+    rows, path = [], os.path.join(run_dir, "rollouts.jsonl")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} not found: the run in {run_dir} was not made with --record_rollouts")
+    for line in open(path):
         group = json.loads(line)
         for response, logprobs, spans in zip(group["responses"], group["logprobs"], group["spans"]):
             versions = [v for v, start, end in spans for _ in range(end - start)]
