@@ -11,9 +11,9 @@ alone) of `fully_async_grpo.py --record_rollouts`. From it:
   - the learner: a step costs d + e (prompt and completion tokens in the batch), fitted the same way;
   - the completion lengths: the pilot's, drawn with replacement (the long tail is the point).
 The simulation then runs the stream engine step by engine step, with the script's own admission rule (`can_admit`):
-admission under `pace` or `drop`, drain-then-reload or in-flight loads, the learner taking groups in the order they
-finish and discarding (drop) what is staler than k. A generator share s scales the pilot's rates linearly (the
-pilot: one core each, s = 1/2; a sampler with s of the devices works s / (1/2) as fast, the learner
+admission under `pace`, `head` or `drop`, drain-then-reload or in-flight loads, the learner taking groups in the
+order they finish and discarding (drop) what is staler than k. A generator share s scales the pilot's rates
+linearly (the pilot: one core each, s = 1/2; a sampler with s of the devices works s / (1/2) as fast, the learner
 (1 - s) / (1/2)): how a user picks the split of GPUs between sampling and training (docs/fully_async.md).
 What it cannot tell: learning. The lengths are the pilot's policy's; a policy that learns to write longer or
 shorter changes them, and nothing here says whether a staleness hurts the objective (benchmarks/fully_async.py).
@@ -37,14 +37,15 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 from fully_async_grpo import can_admit  # noqa: E402  (the stream's own admission rule)
 
-K = 4  # completions a group (the tiny world's)
 PILOT_SHARE = 0.5  # one core for the generator, one for the learner
 
 
 @dataclass
 class Args:
     groups: int = 16
-    """B of the pilot and of the runs checked: groups of K = 4 a step"""
+    """B of the pilot and of the runs checked: groups a step"""
+    num_samples: int = 4
+    """K: completions a group"""
     pilot_steps: int = 24
     """steps of the synchronous pilot (the first is left out of the fits: it warms up)"""
     check_steps: int = 24
@@ -64,8 +65,10 @@ def run(name: str, args: Args, steps: int, groups: int, *flags: str) -> list[dic
     if not os.path.exists(os.path.join(folder, "done")):
         print(f"{name} ...", flush=True)
         command = [sys.executable, os.path.join(REPO, "fully_async_grpo.py"), "--model", "tiny", "--output_dir",
-                   folder, "--total_episodes", str(steps * groups * K), "--batch_size", str(groups * K),
-                   "--per_device_train_batch_size", str(groups * K), "--eval_every", "0", "--num_eval_prompts", "32",
+                   folder, "--num_samples", str(args.num_samples), "--total_episodes",
+                   str(steps * groups * args.num_samples), "--batch_size", str(groups * args.num_samples),
+                   "--per_device_train_batch_size", str(groups * args.num_samples), "--eval_every", "0",
+                   "--num_eval_prompts", "32",
                    "--num_final_eval_prompts", "32", *flags, *args.extra]
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if result.returncode:
@@ -88,7 +91,7 @@ def measure_rates(folder: str, steps: list[dict], groups: int) -> dict:
     fitted = generator @ np.array([c, a, b])
     error = float(np.mean(np.abs(fitted - np.array(wait[1:])) / np.array(wait[1:])))
     return dict(a=a, b=b, c=c, d=d, e=e, lengths=[n for ls in lengths for n in ls], fit_error=error,
-                prompt_tokens=statistics.mean(len(r["prompt"]) for r in rows))
+                prompt_tokens=statistics.mean(len(r["prompt"]) for r in rows), num_samples=len(rows[0]["responses"]))
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -125,7 +128,7 @@ def simulate(rates: dict, k: int, groups: int, policy: str = "pace", room: int =
                 group["versions"].add(loaded)
         oldest = min([loaded, *(g["version"] for g in running.values())])
         while can_admit(go, next_group, next_group - taken, loaded, oldest, newest > loaded):
-            lengths = [rng.choice(rates["lengths"]) for _ in range(K)]
+            lengths = [rng.choice(rates["lengths"]) for _ in range(rates["num_samples"])]
             running[next_group] = dict(version=loaded, lengths=lengths, left=lengths, versions={loaded})
             next_group += 1
             if next_group % groups == 0:  # (the load and prefill cost of a batch's worth of groups)
@@ -214,9 +217,9 @@ def report_grid(rates: dict, args: Args) -> None:
     print(f"\npredicted seconds a step, k = 2, B = {args.groups}, by the generator's share of the machine:")
     for share in (0.25, 0.5, 0.75):
         drain = predicted(rates, k=2, groups=args.groups, share=share)
-        inflight = predicted(rates, k=2, groups=args.groups, share=share, inflight=True)
+        inflight = predicted(rates, k=2, groups=args.groups, share=share, policy="head", inflight=True)
         print(f"  share {share:.2f}: drain then reload {drain['seconds_a_step']:.3f} s (learner idle "
-              f"{drain['learner_idle']:.2f}, generator idle {drain['generator_idle']:.2f}); in-flight "
+              f"{drain['learner_idle']:.2f}, generator idle {drain['generator_idle']:.2f}); head, in flight "
               f"{inflight['seconds_a_step']:.3f} s (learner idle {inflight['learner_idle']:.2f})")
 
 
@@ -227,7 +230,8 @@ CHECKED = {  # name: (groups a step: the pilot's or 4, flags, the simulation's s
                                   dict(k=2, policy="drop", room="ROOM")),
     "k = 1, pace": (None, ("--max_staleness", "1"), dict(k=1)),
     "B = 4, k = 2, drain then reload": (4, ("--max_staleness", "2"), dict(k=2)),
-    "B = 4, k = 2, in-flight": (4, ("--max_staleness", "2", "--inflight_updates"), dict(k=2, inflight=True)),
+    "B = 4, k = 2, head, in flight": (4, ("--max_staleness", "2", "--stale_policy", "head", "--inflight_updates"),
+                                      dict(k=2, policy="head", inflight=True)),
 }
 
 

@@ -116,7 +116,7 @@ def test_the_capacity_model_worked_by_hand():
     (nothing overlaps), so a step takes exactly their sum, each side idle while the other works. With k = 2 the
     two overlap: a step takes the slower side's time, the faster side idles, and under `pace` staleness never
     passes 2 (the simulation raises if it does)."""
-    rates = dict(a=0.01, b=0.0, c=0.05, d=0.1, e=0.001, lengths=[10], prompt_tokens=20)
+    rates = dict(a=0.01, b=0.0, c=0.05, d=0.1, e=0.001, lengths=[10], prompt_tokens=20, num_samples=4)
     sample, train = 0.05 + 10 * 0.01, 0.1 + 0.001 * 16 * 4 * 30  # c + a L; d + e tokens (B = 16 groups of 4)
     synchronous = capacity.simulate(rates, k=0, groups=16, steps=10)
     assert synchronous["seconds_a_step"] == pytest.approx(sample + train)
