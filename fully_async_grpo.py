@@ -209,6 +209,8 @@ def resolve_args(args: Args) -> Args:
          f"--num_samples {args.num_samples}"),
         (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
         (args.cliprange < 0 or args.is_cap < 1, "--cliprange must not be negative, --is_cap not below 1"),
+        (args.kv_on_update == "keep" and not args.inflight_updates, "--kv_on_update keep needs --inflight_updates "
+         "(draining before every load, no KV cache outlives its version)"),
     ]:
         if bad:
             core.fail(message)

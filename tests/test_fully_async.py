@@ -92,6 +92,7 @@ def test_the_admission_bound(policy, k, loaded, oldest, next_group, in_stream, l
     (["--max_in_flight", "15"], "--max_in_flight 15 is less than a step's 16 groups"),
     (["--stale_policy", "wait"], "invalid choice 'wait' for argument '--stale-policy'"),  # (tyro's spelling)
     (["--advantage", "ppo"], "invalid choice 'ppo' for argument '--advantage'"),
+    (["--kv_on_update", "keep"], "--kv_on_update keep needs --inflight_updates"),
 ])
 def test_bad_flags_get_one_clear_error(flags_, message, tmp_path, capsys):
     code, stderr = run_in_process("fully_async_grpo.py", "--model", "tiny", "--output_dir", str(tmp_path), *flags_,
