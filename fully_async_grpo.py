@@ -752,6 +752,8 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
             load_due = newest is not None and newest[0] > loaded
             block = not running and not load_due and eval_request is None and not (
                 go is not None and can_admit(go, next_group, next_group - taken, loaded, loaded, load_due))
+            if block and idle_since is None and go is not None:  # (idle: training under way, nothing to sample)
+                idle_since = time.time()
             while True:
                 try:
                     message = requests.get(timeout=1.0) if block else requests.get_nowait()

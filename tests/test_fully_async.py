@@ -166,7 +166,8 @@ def test_drop_discards_what_arrives_too_stale_under_torchrun(chains_dir, tmp_pat
 
 def test_k_zero_is_on_policy_and_a_dead_generator_stops_the_run(chains_dir, tmp_path):
     """k = 0: every step trains on groups its own version sampled (staleness 0), so the sampler's weight is 1 at
-    every step, not only the first. Then the generator dies: the learner stops within seconds with its error."""
+    every step, not only the first, and the generator is idle while the learner trains. Then the generator dies:
+    the learner stops within seconds with its error."""
     process = start_stream(chains_dir, tmp_path, "--max_staleness", "0", "--total_episodes", "100000")
     children = wait_for_training(process, str(tmp_path), steps=3, step_metric="staleness/mean")
     generator_of(children).kill()
@@ -175,6 +176,9 @@ def test_k_zero_is_on_policy_and_a_dead_generator_stops_the_run(chains_dir, tmp_
     steps, _ = stream_metrics(tmp_path)
     assert all(r["staleness/max"] == 0 for r in steps)
     assert all(abs(r["is/weight_mean"] - 1) < 1e-5 and abs(r["policy/ratio_mean"] - 1) < 1e-5 for r in steps)
+    # (k = 0: the generator waits while the learner trains, and its idle time counts that wait)
+    idle_seconds = steps[-1]["idle/generator_fraction"] * steps[-1]["time/elapsed"]
+    assert idle_seconds > 0.8 * sum(r["time/training"] for r in steps[:-1]), steps
 
 
 def test_ctrl_c_stops_the_stream(chains_dir, tmp_path):
