@@ -24,10 +24,11 @@ shorter changes them, and nothing here says whether a staleness hurts the object
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import tyro
@@ -52,8 +53,8 @@ class Args:
     """steps of each run checked against its prediction"""
     runs_dir: str = os.path.join(HERE, "runs", "capacity")
     """where the pilot and the runs keep their folders (a finished run is read, not run again)"""
-    extra: list[str] = field(default_factory=list)
-    """more flags for every fully_async_grpo.py run (a GPU model: --extra --model rho-1b ...)"""
+    script_flags: str = ""
+    """more flags for every fully_async_grpo.py run, after its own (on GPUs: --script_flags="--model rho-1b")"""
     quick: bool = False
     """a 6-step pilot and one 6-step run checked: checks the tool, measures little"""
 
@@ -69,7 +70,7 @@ def run(name: str, args: Args, steps: int, groups: int, *flags: str) -> list[dic
                    str(steps * groups * args.num_samples), "--batch_size", str(groups * args.num_samples),
                    "--per_device_train_batch_size", str(groups * args.num_samples), "--eval_every", "0",
                    "--num_eval_prompts", "32",
-                   "--num_final_eval_prompts", "32", *flags, *args.extra]
+                   "--num_final_eval_prompts", "32", *flags, *shlex.split(args.script_flags)]
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if result.returncode:
             raise SystemExit(f"{name} failed (exit code {result.returncode}):\n{result.stderr[-3000:]}")
