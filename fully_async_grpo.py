@@ -339,7 +339,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                            kv_on_update=args.kv_on_update))
     while version < args.num_steps:
         # 1. ASYNC: take B groups from the stream, each as it finished: (drop) a group more than k versions older
-        # than the learner is discarded; (pace) none can be
+        # than the learner is discarded; (pace) none can be; (head) it is kept
         step_start = time.time()
         batch, discarded = take_groups(generator, stream, version, args)
         took = time.time() - step_start
