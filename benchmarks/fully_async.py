@@ -125,12 +125,14 @@ def report_schedules(results: dict) -> None:
         discarded = sum(s[-1]["rollouts/discarded_total"] for s in steps)
         accepted = sum(s[-1]["rollouts/accepted_total"] for s in steps)
         gain = paired(final(runs), [evals[0]["eval/pass_at_1"] for _, evals, _ in runs.values()])
+        lengths = "/".join(f"{pooled(runs, 'length/' + q):.0f}" for q in ("p50", "p90", "p99"))
         print(f"   {name:<36} pass@1 {mean_se(final(runs))}, gain {gain}")
         print(f"   {'':<36} {statistics.mean(seconds):.0f} s of training; idle: learner "
               f"{pooled(runs, 'idle/learner_fraction'):.2f}, generator {pooled(runs, 'idle/generator_fraction'):.2f}"
               f"; staleness {histogram([r for s in steps for r in s])} (tokens' mean "
               f"{pooled(runs, 'staleness/token_mean'):.2f}); discarded {discarded / (discarded + accepted):.0%}; "
-              f"completions over 2+ versions {pooled(runs, 'inflight/multi_version_fraction'):.0%}")
+              f"completions over 2+ versions {pooled(runs, 'inflight/multi_version_fraction'):.0%}; length "
+              f"p50/p90/p99 {lengths}")
         if sync is not None and runs is not sync:
             print(f"   {'':<36} against k = 0: pass@1 {paired(final(runs), final(sync))}; seconds "
                   f"{paired(seconds, [s[-1]['time/elapsed'] for s, _, _ in sync.values()])}")
