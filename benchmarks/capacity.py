@@ -21,6 +21,7 @@ shorter changes them, and nothing here says whether a staleness hurts the object
     python benchmarks/capacity.py            # the pilot, the grid, six runs checked: about 10 minutes on 2 cores
     python benchmarks/capacity.py --quick    # a short pilot and one run checked: checks the tool, measures little
 """
+import bisect
 import json
 import os
 import random
@@ -111,12 +112,14 @@ def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
 # --- The simulation: the stream, engine step by engine step ---------------------------------------------------------
 def simulate(rates: dict, k: int, groups: int, policy: str = "pace", room: int = 0, inflight: bool = False,
              share: float = PILOT_SHARE, steps: int = 48, seed: int = 0) -> dict:
-    """The stream at these settings with these rates: seconds a step, idle fractions, staleness, discards, queue."""
+    """The stream at these settings with these rates: seconds a step, idle fractions, staleness, discards, the queue
+    (groups finished and not yet taken when a version is published: where the script logs `queue/depth`)."""
     rng, speed, learner_speed = random.Random(seed), share / PILOT_SHARE, (1 - share) / PILOT_SHARE
     go = dict(max_staleness=k, groups_per_step=groups, stale_policy=policy, max_in_flight=room or (k + 1) * groups,
               inflight_updates=inflight)
     clock, loaded, next_group, running, finished, published = 0.0, 0, 0, {}, [], [(0.0, 0, 0)]
-    learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0, depth=[], policy=policy)
+    learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0, policy=policy)
+    finish_times = []  # (every group's, in order: the queue's depth when each version is published)
     generator_idle, multi_version = 0.0, []
     while learner["version"] < steps:
         learner_takes(learner, finished, clock, groups, k, rates, learner_speed, published)
@@ -148,13 +151,15 @@ def simulate(rates: dict, k: int, groups: int, policy: str = "pace", room: int =
             group["left"] = [n - 1 for n in group["left"]]
             if max(group["left"]) <= 0:
                 finished.append((clock, running.pop(index)))
+                finish_times.append(clock)
                 multi_version.append(len(group["versions"]) > 1)
     total = learner["free_at"]
     accepted = len(learner["staleness"])
     return dict(seconds_a_step=total / steps, learner_idle=learner["idle"] / total,
                 generator_idle=min(generator_idle / total, 1.0), staleness=statistics.mean(learner["staleness"]),
                 discarded=learner["discarded"] / (learner["discarded"] + accepted),
-                queue=statistics.mean(learner["depth"]), multi_version=statistics.mean(multi_version or [0.0]))
+                queue=statistics.mean(bisect.bisect_right(finish_times, t) - taken for t, _, taken in published[1:]),
+                multi_version=statistics.mean(multi_version or [0.0]))
 
 
 def learner_takes(learner: dict, finished: list, clock: float, groups: int, k: int, rates: dict, speed: float,
@@ -174,7 +179,6 @@ def learner_takes(learner: dict, finished: list, clock: float, groups: int, k: i
             continue
         start = max(learner["free_at"], learner["batch"][-1][0])
         learner["idle"] += start - learner["free_at"]
-        learner["depth"].append(sum(f <= start for f, _ in finished))
         tokens = sum(n + rates["prompt_tokens"] for _, g in learner["batch"] for n in g["lengths"])
         learner["free_at"] = start + (rates["d"] + rates["e"] * tokens) / speed
         learner["staleness"] += [learner["version"] - g["version"] for _, g in learner["batch"]]
