@@ -113,6 +113,11 @@ def pooled(runs: dict, key: str) -> float:
     return statistics.mean(r[key] for steps, _, _ in runs.values() for r in steps)
 
 
+def whole_run(runs: dict, key: str) -> float:
+    """The mean over seeds of a running total at a run's last step (an idle fraction: of the whole run)."""
+    return statistics.mean(steps[-1][key] for steps, _, _ in runs.values())
+
+
 def report_schedules(results: dict) -> None:
     print("\n1. The schedules (B = 16 groups of 4; pass@1 greedy on the same test problems at step 0 and at the end; "
           "mean ± s.e. over seeds):")
@@ -128,8 +133,9 @@ def report_schedules(results: dict) -> None:
         lengths = "/".join(f"{pooled(runs, 'length/' + q):.0f}" for q in ("p50", "p90", "p99"))
         print(f"   {name:<36} pass@1 {mean_se(final(runs))}, gain {gain}")
         print(f"   {'':<36} {statistics.mean(seconds):.0f} s of training; idle: learner "
-              f"{pooled(runs, 'idle/learner_fraction'):.2f}, generator {pooled(runs, 'idle/generator_fraction'):.2f}"
-              f"; staleness {histogram([r for s in steps for r in s])} (tokens' mean "
+              f"{whole_run(runs, 'idle/learner_fraction'):.2f}, generator "
+              f"{whole_run(runs, 'idle/generator_fraction'):.2f}; staleness "
+              f"{histogram([r for s in steps for r in s])} (tokens' mean "
               f"{pooled(runs, 'staleness/token_mean'):.2f}); discarded {discarded / (discarded + accepted):.0%}; "
               f"completions over 2+ versions {pooled(runs, 'inflight/multi_version_fraction'):.0%}; length "
               f"p50/p90/p99 {lengths}")
@@ -153,7 +159,8 @@ def report_inflight(results: dict) -> None:
     for name, runs in results.items():
         per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in runs.values()]
         line = (f"   {name:<30} {statistics.mean(per_step):.3f} s a step; idle: learner "
-                f"{pooled(runs, 'idle/learner_fraction'):.2f}; completions over 2+ versions "
+                f"{whole_run(runs, 'idle/learner_fraction'):.2f}, generator "
+                f"{whole_run(runs, 'idle/generator_fraction'):.2f}; completions over 2+ versions "
                 f"{pooled(runs, 'inflight/multi_version_fraction'):.0%}, versions a completion "
                 f"{pooled(runs, 'inflight/versions_per_completion'):.2f}; tokens' staleness "
                 f"{pooled(runs, 'staleness/token_mean'):.2f}; pass@1 {mean_se(final(runs))}")
