@@ -18,7 +18,7 @@ linearly (the pilot: one core each, s = 1/2; a sampler with s of the devices wor
 What it cannot tell: learning. The lengths are the pilot's policy's; a policy that learns to write longer or
 shorter changes them, and nothing here says whether a staleness hurts the objective (benchmarks/fully_async.py).
 
-    python benchmarks/capacity.py            # the pilot, the grid, six runs checked: about 10 minutes on 2 cores
+    python benchmarks/capacity.py            # the pilot, the grid, five runs checked: about 7 minutes on 2 cores
     python benchmarks/capacity.py --quick    # a short pilot and one run checked: checks the tool, measures little
 """
 import bisect
@@ -233,7 +233,6 @@ CHECKED = {  # name: (groups a step: the pilot's or 4, flags, the simulation's s
     "k = 8, pace": (None, ("--max_staleness", "8"), dict(k=8)),
     "k = 2, drop, room 2(k+1)B": (None, ("--max_staleness", "2", "--stale_policy", "drop", "--max_in_flight", "ROOM"),
                                   dict(k=2, policy="drop", room="ROOM")),
-    "k = 1, pace": (None, ("--max_staleness", "1"), dict(k=1)),
     "B = 4, k = 2, drain then reload": (4, ("--max_staleness", "2"), dict(k=2)),
     "B = 4, k = 2, head, in flight": (4, ("--max_staleness", "2", "--stale_policy", "head", "--inflight_updates"),
                                       dict(k=2, policy="head", inflight=True)),
