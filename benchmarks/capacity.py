@@ -93,7 +93,8 @@ def measure_rates(folder: str, steps: list[dict], groups: int) -> dict:
     fitted = generator @ np.array([c, a, b])
     error = float(np.mean(np.abs(fitted - np.array(wait[1:])) / np.array(wait[1:])))
     return dict(a=a, b=b, c=c, d=d, e=e, lengths=[n for ls in lengths for n in ls], fit_error=error,
-                prompt_tokens=statistics.mean(len(r["prompt"]) for r in rows), num_samples=len(rows[0]["responses"]))
+                prompt_tokens=statistics.mean(len(r["prompt"]) for r in rows), num_samples=len(rows[0]["responses"]),
+                mean_load=statistics.mean(sum(ls) / max(ls) for ls in lengths))  # (sequences an engine step)
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -228,6 +229,20 @@ def report_grid(rates: dict, args: Args) -> None:
               f"{inflight['seconds_a_step']:.3f} s (learner idle {inflight['learner_idle']:.2f})")
 
 
+def report_flat_steps(rates: dict) -> None:
+    """A what-if, no measurement: the engine's step cost flat in its sequences (b = 0, a step costing what the
+    pilot's did with its mean number of sequences), as GPU decoding is until memory bandwidth runs out. Where a
+    drained tail leaves the engine nearly empty but each step as dear, in-flight loads pay."""
+    flat = {**rates, "a": rates["a"] + rates["b"] * rates["mean_load"], "b": 0.0}
+    print(f"\nwhat if an engine step cost the same with 1 sequence or many (a = {flat['a'] * 1e3:.1f} ms, b = 0; a "
+          "model, not a measurement), k = 2:")
+    for groups in (4, 16):
+        drain = predicted(flat, k=2, groups=groups)
+        inflight = predicted(flat, k=2, groups=groups, policy="head", inflight=True)
+        print(f"  B = {groups:>2}: drain then reload {drain['seconds_a_step']:.3f} s a step, head in flight "
+              f"{inflight['seconds_a_step']:.3f} s: {drain['seconds_a_step'] / inflight['seconds_a_step']:.2f}x")
+
+
 CHECKED = {  # name: (groups a step: the pilot's or 4, flags, the simulation's settings)
     "k = 2, pace": (None, ("--max_staleness", "2"), dict(k=2)),
     "k = 8, pace": (None, ("--max_staleness", "8"), dict(k=8)),
@@ -274,4 +289,5 @@ if __name__ == "__main__":
           f"{rates['e'] * 1e3:.4f} ms a token; completion lengths p50/p90/p99 {lengths[len(lengths) // 2]}/"
           f"{lengths[int(0.9 * len(lengths))]}/{lengths[int(0.99 * len(lengths))]} ({len(lengths)} completions)")
     report_grid(rates, args)
+    report_flat_steps(rates)
     check(rates, args)
