@@ -54,6 +54,8 @@ class Args:
     """steps of each run checked against its prediction"""
     runs_dir: str = os.path.join(HERE, "runs", "capacity")
     """where the pilot and the runs keep their folders (a finished run is read, not run again)"""
+    plot_dir: str = HERE
+    """where the PNG goes"""
     script_flags: str = ""
     """more flags for every fully_async_grpo.py run, after its own (on GPUs: --script_flags="--model rho-1b")"""
     quick: bool = False
@@ -254,8 +256,10 @@ CHECKED = {  # name: (groups a step: the pilot's or 4, flags, the simulation's s
 }
 
 
-def check(rates: dict, args: Args) -> None:
+def check(rates: dict, args: Args) -> dict:
+    """Each setting run for real beside its prediction: {name: (model, real)}."""
     names = list(CHECKED)[:1] if args.quick else list(CHECKED)
+    pairs = {}
     steps = 6 if args.quick else args.check_steps
     header = "  ".join(f"{c[:7]:>7}" for c in COLUMNS)
     print(f"\npredicted against measured ({steps} steps each; error: measured - predicted; seconds: relative):")
@@ -271,6 +275,29 @@ def check(rates: dict, args: Args) -> None:
         error = {c: real[c] - model[c] for c in COLUMNS}
         error["seconds_a_step"] = error["seconds_a_step"] / model["seconds_a_step"]
         print(f"  {name:<34} model  {line(model)}\n  {'':<34} real   {line(real)}\n  {'':<34} error  {line(error)}")
+        pairs[name] = (model, real)
+    return pairs
+
+
+def plot(pairs: dict, path: str) -> None:
+    """Measured against predicted: seconds a step, and each side's idle fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key in zip(axes, ("seconds_a_step", "learner_idle", "generator_idle")):
+        for name, (model, real) in pairs.items():
+            ax.plot(model[key], real[key], "o", label=name)
+        top = max(max(m[key], r[key]) for m, r in pairs.values()) * 1.1 or 1.0
+        ax.plot([0, top], [0, top], "k:", linewidth=1)
+        ax.set(xlabel=f"predicted {key}", ylabel=f"measured {key}", xlim=(0, top), ylim=(0, top))
+    axes[0].legend(fontsize=7)
+    fig.suptitle("python benchmarks/capacity.py: the model against real runs (2 CPU cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot saved to {path}")
 
 
 def folder(name: str) -> str:
@@ -290,4 +317,4 @@ if __name__ == "__main__":
           f"{lengths[int(0.9 * len(lengths))]}/{lengths[int(0.99 * len(lengths))]} ({len(lengths)} completions)")
     report_grid(rates, args)
     report_flat_steps(rates)
-    check(rates, args)
+    plot(check(rates, args), os.path.join(args.plot_dir, "capacity.png"))

@@ -130,11 +130,13 @@ def test_the_capacity_model_worked_by_hand():
 
 def test_capacity_quick(chains_dir, tmp_path):
     """The capacity model's short pilot, its grid and one setting run for real, predicted beside measured."""
-    result = run_script("--quick", "--runs_dir", str(tmp_path), script=os.path.join("benchmarks", "capacity.py"))
+    result = run_script("--quick", "--runs_dir", str(tmp_path), "--plot_dir", str(tmp_path),
+                        script=os.path.join("benchmarks", "capacity.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     for line in ("the pilot (k = 0, B = 16, 6 steps): an engine step a + b n", "predicted, pace, drain then reload",
                  "by the generator's share of the machine", "predicted against measured", "model", "real", "error"):
         assert line in result.stdout, result.stdout
+    assert (tmp_path / "capacity.png").stat().st_size > 1000
 
 
 def test_gpu_check_runs_on_the_cpu():
