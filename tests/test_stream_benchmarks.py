@@ -1,0 +1,80 @@
+"""The fully asynchronous twin's benchmarks in their reduced modes (a file of their own, so that the two test
+workers can balance it against test_benchmarks.py): they run, produce their tables and plots, and the capacity
+model's simulation gives the answers worked by hand."""
+import json
+import os
+
+import pytest
+from conftest import run_script
+
+from benchmarks import capacity
+
+
+def test_fully_async_demo_quick(chains_dir, tmp_path):
+    """The demo benchmark's short run, read from its folder: no group trained on is staler than k = 2, none
+    discarded; a second invocation reads the finished run instead of running it again."""
+    command = ("--quick", "--runs_dir", str(tmp_path / "runs"), "--plot_dir", str(tmp_path))
+    result = run_script(*command, script=os.path.join("benchmarks", "fully_async_demo.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gain from SFT" not in result.stdout and "staleness {" in result.stdout  # (one seed: no t-statistic)
+    steps = [r for r in map(json.loads, open(tmp_path / "runs" / "demo_seed1" / "metrics.jsonl"))
+             if "staleness/max" in r]
+    assert len(steps) == 6 and max(r["staleness/max"] for r in steps) <= 2
+    assert steps[-1]["rollouts/discarded_total"] == 0
+    assert (tmp_path / "fully_async_demo.png").stat().st_size > 1000
+    again = run_script(*command, script=os.path.join("benchmarks", "fully_async_demo.py"))
+    assert again.returncode == 0 and " ..." not in again.stdout, again.stdout
+
+
+def test_fully_async_quick(chains_dir, tmp_path):
+    """The schedules benchmark's short runs, read from their folders: at k = 2 no group trained on is staler than 2;
+    `drop` at the default room discards nothing (the room is the bound: docs/fully_async.md) while `drop` with twice
+    the room discards; the naive objective's importance weight is 1 at every token (the proximal policy is the
+    sampler); in flight, completions span several versions, and draining none does; the three tables and the
+    plot come out."""
+    result = run_script("--quick", "--runs_dir", str(tmp_path), "--plot_dir", str(tmp_path),
+                        script=os.path.join("benchmarks", "fully_async.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for table in ("1. The schedules", "2. Naive", "3. In-flight updates", "speed-up over drain-then-reload"):
+        assert table in result.stdout, result.stdout
+
+    def steps(name: str) -> list:
+        records = map(json.loads, open(tmp_path / f"{name}__seed1" / "metrics.jsonl"))
+        return [r for r in records if "staleness/max" in r]
+
+    default_room, more_room = steps("k_2_drop_default_room"), steps("k_2_drop_room_2_k_1_B")
+    assert all(r["staleness/max"] <= 2 for r in default_room + more_room + steps("k_2_pace_naive"))
+    assert default_room[-1]["rollouts/discarded_total"] == 0 < more_room[-1]["rollouts/discarded_total"]
+    assert all(r["is/weight_mean"] == 1.0 for r in steps("k_2_pace_naive"))
+    assert all(r["inflight/multi_version_fraction"] == 0 for r in steps("B_4_drain_then_reload"))
+    assert max(r["inflight/multi_version_fraction"] for r in steps("B_4_head_in_flight_recompute")) > 0
+    assert (tmp_path / "fully_async.png").stat().st_size > 1000
+
+
+def test_the_capacity_model_worked_by_hand():
+    """The simulation on rates chosen so that its answer is known: k = 0 with every completion 10 tokens long and an
+    engine step of a constant 10 ms, a batch costs c + 10 a to sample and d + e x tokens to train, taken in turn
+    (nothing overlaps), so a step takes exactly their sum, each side idle while the other works. With k = 2 the
+    two overlap: a step takes the slower side's time, the faster side idles, and under `pace` staleness never
+    passes 2 (the simulation raises if it does)."""
+    rates = dict(a=0.01, b=0.0, c=0.05, d=0.1, e=0.001, lengths=[10], prompt_tokens=20, num_samples=4)
+    sample, train = 0.05 + 10 * 0.01, 0.1 + 0.001 * 16 * 4 * 30  # c + a L; d + e tokens (B = 16 groups of 4)
+    synchronous = capacity.simulate(rates, k=0, groups=16, steps=10)
+    assert synchronous["seconds_a_step"] == pytest.approx(sample + train)
+    assert synchronous["learner_idle"] == pytest.approx(sample / (sample + train))
+    assert synchronous["staleness"] == 0 and synchronous["discarded"] == 0
+    overlapped = capacity.simulate(rates, k=2, groups=16, steps=40)
+    assert overlapped["seconds_a_step"] == pytest.approx(train, rel=0.05)  # (training is the slower side)
+    assert overlapped["generator_idle"] > 0.5 and overlapped["learner_idle"] < 0.1
+    assert 1.5 < overlapped["staleness"] <= 2
+
+
+def test_capacity_quick(chains_dir, tmp_path):
+    """The capacity model's short pilot, its grid and one setting run for real, predicted beside measured."""
+    result = run_script("--quick", "--runs_dir", str(tmp_path), "--plot_dir", str(tmp_path),
+                        script=os.path.join("benchmarks", "capacity.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in ("the pilot (k = 0, B = 16, 6 steps): an engine step a + b n", "predicted, pace, drain then reload",
+                 "by the generator's share of the machine", "predicted against measured", "model", "real", "error"):
+        assert line in result.stdout, result.stdout
+    assert (tmp_path / "capacity.png").stat().st_size > 1000
