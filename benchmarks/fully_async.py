@@ -122,7 +122,7 @@ def report_schedules(results: dict) -> None:
           "mean ± s.e. over seeds):")
     base = next(iter(results.values()))
     print(f"   SFT policy: {mean_se([evals[0]['eval/pass_at_1'] for _, evals, _ in base.values()])}")
-    sync = results.get("k = 0 (synchronous)")
+    sync, demo = results.get("k = 0 (synchronous)"), results.get("k = 2, pace")
     for name, runs in results.items():
         steps = [s for s, _, _ in runs.values()]
         seconds = [s[-1]["time/elapsed"] for s in steps]
@@ -141,6 +141,8 @@ def report_schedules(results: dict) -> None:
         if sync is not None and runs is not sync:
             print(f"   {'':<36} against k = 0: pass@1 {paired(final(runs), final(sync))}; seconds "
                   f"{paired(seconds, [s[-1]['time/elapsed'] for s, _, _ in sync.values()])}")
+        if demo is not None and runs is not demo and runs is not sync:
+            print(f"   {'':<36} against k = 2, pace (the demo's): pass@1 {paired(final(runs), final(demo))}")
 
 
 def report_naive(naive: dict, schedules: dict) -> None:
