@@ -20,7 +20,7 @@ t-distribution's two-sided 95% threshold; "inconclusive" where they do not pass 
 against samples and against seconds, one line per schedule). Every run keeps its folder in --runs_dir; a finished
 run is read, not run again (the sweep resumes).
 
-    python benchmarks/fully_async.py            # 45 runs: about 90 minutes on 2 cores
+    python benchmarks/fully_async.py            # 45 runs: about 70 minutes on 2 idle cores
     python benchmarks/fully_async.py --quick    # five short runs, one seed: checks the benchmark, measures nothing
 """
 import os
