@@ -80,15 +80,18 @@ def sweep(configs: dict, args: Args) -> dict:
     names = [name for name in configs if not args.quick or name in QUICK]
     seeds = args.seeds[:1] if args.quick else args.seeds
     steps = 4 if args.quick else args.steps
-    results = {}
-    for name in names:
-        per_step = 4 if "B = 4" in name else B
-        length = ("--total_episodes", str(steps * 4 * per_step * (2 if per_step == 4 else 1)),
-                  "--eval_every", str(steps // 2 * (2 if per_step == 4 else 1)))
-        quick = ("--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick \
-            else ()
-        results[name] = {seed: run_once(folder_name(name, seed), args, "--seed", str(seed), *configs[name], *length,
-                                        *quick) for seed in seeds}
+    results = {name: {} for name in names}
+    # seed by seed, every configuration in turn: a seed's pairs run minutes apart, not a block of runs apart, so the
+    # machine's drifting speed does not pass for a difference between configurations
+    for seed in seeds:
+        for name in names:
+            per_step = 4 if "B = 4" in name else B
+            length = ("--total_episodes", str(steps * 4 * per_step * (2 if per_step == 4 else 1)),
+                      "--eval_every", str(steps // 2 * (2 if per_step == 4 else 1)))
+            quick = ("--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") \
+                if args.quick else ()
+            results[name][seed] = run_once(folder_name(name, seed), args, "--seed", str(seed), *configs[name],
+                                           *length, *quick)
     return results
 
 
@@ -199,7 +202,7 @@ def plot(results: dict, path: str) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    # (the order runs go in: the speed-up first, then the schedules and the naive objective, `drop` last)
+    # (the order within a seed: the speed-up first, then the schedules and the naive objective, `drop` last)
     order = {**DRAIN_OR_INFLIGHT, **{name: flags for name, flags in SCHEDULES.items() if "drop" not in name},
              **NAIVE, **SCHEDULES, **(DEFAULT_ROOM if args.quick else {})}
     results = sweep(order, args)
