@@ -80,6 +80,8 @@ def sweep(configs: dict, args: Args) -> dict:
     names = [name for name in configs if not args.quick or name in QUICK]
     seeds = args.seeds[:1] if args.quick else args.seeds
     steps = 4 if args.quick else args.steps
+    quick = ("--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick \
+        else ()
     results = {name: {} for name in names}
     # seed by seed, every configuration in turn: a seed's pairs run minutes apart, not a block of runs apart, so the
     # machine's drifting speed does not pass for a difference between configurations
@@ -88,8 +90,6 @@ def sweep(configs: dict, args: Args) -> dict:
             per_step = 4 if "B = 4" in name else B
             length = ("--total_episodes", str(steps * 4 * per_step * (2 if per_step == 4 else 1)),
                       "--eval_every", str(steps // 2 * (2 if per_step == 4 else 1)))
-            quick = ("--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") \
-                if args.quick else ()
             results[name][seed] = run_once(folder_name(name, seed), args, "--seed", str(seed), *configs[name],
                                            *length, *quick)
     return results
