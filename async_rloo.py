@@ -156,7 +156,8 @@ class Args:
     num_eval_prompts: int = 512
     """validation prompts per evaluation during training"""
     num_final_eval_prompts: Optional[int] = None
-    """validation prompts in the final evaluation (default: the whole validation split)"""
+    """validation prompts in the final evaluation and the SFT policy's at step 0, every gain's baseline
+    (default: the whole validation split)"""
     eval_temperature: float = 0.01
     """near-greedy sampling for evaluation"""
     eval_response_length: int = 128
@@ -320,8 +321,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
-    if not args.resume_from:  # evaluate the SFT policy, then start the clock
-        submit(generator, eval_request(0, eval_prompts, args))
+    if not args.resume_from:  # evaluate the SFT policy, then start the clock; on the final evaluation's
+        submit(generator, eval_request(0, eval_set["prompts"], args))  # prompts: the gains' baseline
         run_evaluation(collect(generator, args), training_start=None)
     training_start = time.time()
     first_prompts = [train_prompts[i] for i in prompt_rounds[first_round]]

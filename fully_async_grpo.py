@@ -157,7 +157,8 @@ class Args:
     num_eval_prompts: int = 1319
     """test problems per evaluation during training"""
     num_final_eval_prompts: Optional[int] = None
-    """test problems in the final evaluation (default: all)"""
+    """test problems in the final evaluation and the SFT policy's at step 0, every gain's baseline
+    (default: all)"""
     eval_temperature: float = 0.0
     """sampling temperature for evaluation (0: greedy, pass@1)"""
     eval_response_length: int = 512
@@ -315,8 +316,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
-    def evaluate_now(final: bool = False) -> None:  # ASYNC: awaited, groups arriving meanwhile kept for the step
-        submit(generator, dict(kind="eval", final=final, prompts=eval_set["prompts"] if final else
+    def evaluate_now(final: bool = False, whole: bool = False) -> None:  # ASYNC: awaited, groups arriving
+        # meanwhile kept for the step; whole: every test prompt, as the final evaluation's (final: and saved)
+        submit(generator, dict(kind="eval", final=final, prompts=eval_set["prompts"] if final or whole else
                                eval_set["prompts"][: eval_set["num_prompts"]], max_tokens=args.eval_response_length,
                                temperature=args.eval_temperature, seed=core.sampling_seed(args.seed, "eval", version)))
         while (message := collect(generator, args))["kind"] != "eval":
@@ -324,8 +326,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         score_evaluation(message, training_start, eval_set, tokenizer, args, run, metrics_file)
 
     training_start = None
-    if not args.resume_from:  # evaluate the SFT policy, then start the clock
-        evaluate_now()
+    if not args.resume_from:  # evaluate the SFT policy, then start the clock; on the final evaluation's
+        evaluate_now(whole=True)  # prompts: the gains' baseline
     if args.rank == 0:
         tqdm.write(f"the stream: {args.groups_per_step} groups of {args.num_samples} completions a step, at most "
                    f"{args.max_staleness} versions stale ({args.stale_policy}), {args.proximal} proximal policy, "

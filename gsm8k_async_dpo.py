@@ -127,7 +127,8 @@ class Args:
     num_eval_prompts: int = 1319
     """problems of each evaluation split per evaluation during training"""
     num_final_eval_prompts: Optional[int] = None
-    """problems of each split in the final evaluation (default: all; GSM8k's test: 1,319)"""
+    """problems of each split in the final evaluation and the SFT policy's at step 0, every gain's
+    baseline (default: all; GSM8k's test: 1,319)"""
     eval_temperature: float = 0.0
     """sampling temperature for evaluation (0: greedy, the paper's pass@1)"""
     eval_response_length: int = 512
@@ -276,8 +277,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
-    if not args.resume_from:  # evaluate the SFT policy, then start the clock
-        submit(generator, eval_request(0, eval_prompts, args))
+    if not args.resume_from:  # evaluate the SFT policy, then start the clock; on the final evaluation's
+        submit(generator, eval_request(0, eval_set["prompts"], args))  # prompts: the gains' baseline
         run_evaluation(collect(generator, args), training_start=None)
     training_start = time.time()
     first_prompts = [train_prompts[i] for i in prompt_rounds[first_round]]

@@ -5,20 +5,23 @@
 - Training-bound (the generator waits for the learner): K = 4 samples per prompt, best against worst, with half the
   learning rate and half the episodes (so as many completions as K = 2), against K = 2; async_dpo.py and
   sync_baseline.py. The paper: the reward margin roughly doubles, and async K = 4 reaches K = 2's final win rate in
-  about half the time (~2.5x faster than sync), at a higher KL.
+  about half the time (~2.5x faster than sync), at a higher KL. The paper's pair changes K and the schedule at once;
+  the control pair (async K = 2 at half the learning rate and episodes, K = 4 at the full ones) crosses them, at a
+  learning rate where K = 2 is still climbing half-way, and every run has as many evaluations.
 
 On 2 cores the bottleneck is set by the batch: a round's generation costs nearly the same for 1 prompt as for 32 (its
 few decoding steps' overhead dominates), its training grows with the prompts: 1 prompt a step is generation-bound,
 the demo's 32 training-bound. Each setting is shown to be what it claims by its own runs' `time/generation` against
-`time/training` (rounds after the first; printed with each run's regime line). Evaluations (128 prompts, greedy) fall
-at the same episodes in every run of a setting, and count in the wall clock.
+`time/training` (rounds after the first; printed with each run's regime line). Evaluations (128 prompts, greedy)
+count in the wall clock: generation-bound runs evaluate at the same episodes, training-bound runs as many times each.
+The KL at a matched win rate (the perplexity where each curve first reaches a level) is printed beside the finals.
 The speed-up is one number per run: the wall-clock time at which its weights first reached a gold win rate of
 --threshold (0.6: fixed before any run, between the SFT policy's ~0.35 and the demo's final ~0.8).
 
   compute_optimal_generation_bound.png   gold win rate against episodes and wall-clock time; final against perplexity
   compute_optimal_training_bound.png     the same for K = 2 and K = 4, async and sync
 
-    python benchmarks/compute_optimal.py            # 3 T values + 4 (K, schedule) rows, x 3 seeds: ~40 min on 2 cores
+    python benchmarks/compute_optimal.py            # 3 T values + 6 (K, schedule) rows, x 3 seeds: ~45 min on 2 cores
     python benchmarks/compute_optimal.py --quick    # one seed, short runs: checks that it works, for CI
 """
 import json
@@ -36,10 +39,10 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from off_policy import fmt, mean_and_stderr, train  # noqa: E402
+from off_policy import train  # noqa: E402
+from stats import fmt, gap, mean_and_stderr  # noqa: E402
 
 import tiny_world  # noqa: E402
-from async_dpo import TINY_DEFAULTS  # noqa: E402
 from plumbing import metrics  # noqa: E402
 
 
@@ -61,10 +64,21 @@ class Args:
     """training-bound: prompts per step (the demo's)"""
     training_bound_episodes: int = 1920
     """training-bound: training prompts of the K = 2 runs (the demo's); K = 4 runs take half, at half the lr"""
-    training_bound_eval_every: int = 96
-    """training-bound: evaluate every this many training prompts (the curves' points)"""
+    training_bound_lr: float = 2.5e-5
+    """training-bound: the K = 2 runs' learning rate (K = 4: half). A quarter of the demo's 1e-4, at which K = 2
+    plateaus within its first 300 episodes, so that halving the steps can cost something: in a pilot (K = 2, seed 1)
+    the gold win rate was still climbing half-way (0.54 at 960 episodes, 0.59 from 1,250 on); at 5e-5 it was not
+    (0.59 at half-way, 0.62 at the end)"""
+    training_bound_threshold: float = 0.5
+    """training-bound: the gold win rate whose first crossing times a run, fixed after the pilot (whose K = 2 curve
+    tops out at 0.59, under the generation-bound 0.6) and before the sweep"""
+    training_bound_evaluations: int = 15
+    """training-bound: evaluations during every run, whatever its length (equal evaluation costs in its clock)"""
+    k_control: bool = True
+    """training-bound: also the control pair, async K = 2 at half the learning rate and episodes and K = 4 at the
+    full ones, so that K and the schedule are crossed (2 x 2)"""
     threshold: float = 0.6
-    """the gold win rate whose first crossing times a run (fixed before the runs)"""
+    """generation-bound: the gold win rate whose first crossing times a run (fixed before the runs)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds per row"""
     tiny_dir: str = tiny_world.SHIPPED["tldr"]
@@ -72,8 +86,9 @@ class Args:
     plot_dir: str = HERE
     """where the two plots go"""
     runs_dir: Optional[str] = None
-    """where each run's folder goes, kept (a run already finished there is read back, not run again); default: a
-    temporary folder, deleted after"""
+    """where each run's folder goes, kept so that a figure can be recomputed and a sweep resumed (a run already
+    finished there is read back, not run again); default: benchmarks/runs/compute_optimal (--quick: a temporary
+    folder, deleted after)"""
     quick: bool = False
     """two short runs, one seed: T = 2 (32 episodes) and async K = 4 (64), evaluations on 64 prompts: checks that
     it works, measures nothing"""
@@ -82,7 +97,8 @@ class Args:
 def read_curve(output_dir: str) -> dict:
     """A run's evaluations (episode, wall-clock seconds at which its weights existed, gold win rate, perplexity),
     its rounds' mean generation and training seconds (the regime line's sums, rounds after the first), the median
-    of its steps' median pair margins (NaN: a step with no pair, left out), and its regime line."""
+    of its steps' median pair margins (NaN: a step with no pair, left out) and its first step's (the SFT policy's
+    samples: the margin K alone makes), and its regime line."""
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     steps = {r["step"]: r for r in records if "staleness" in r}
     evals = [r for r in records if "eval/gold_win_rate" in r]
@@ -90,15 +106,27 @@ def read_curve(output_dir: str) -> dict:
     return dict(
         episodes=[e["episode"] for e in evals], win_rate=[e["eval/gold_win_rate"] for e in evals],
         seconds=[steps[e["step"]]["time/elapsed"] if e["step"] else 0.0 for e in evals],
+        perplexities=[e["eval/perplexity"] for e in evals],
         perplexity=evals[-1]["eval/perplexity"], final=evals[-1]["eval/gold_win_rate"],
         generation=means["generating"], training=means["training"],
         margin=statistics.median(m for m in (r["reward/margin_median"] for r in steps.values()) if not math.isnan(m)),
+        first_margin=steps[min(steps)]["reward/margin_median"],
         total=evals[-1]["time/elapsed"], regime=metrics.regime(records))
 
 
 def first_reach(curve: dict, threshold: float, key: str) -> Optional[float]:
     """The episodes (or seconds) at the first evaluation at or above the threshold; None: never reached."""
     return next((x for x, w in zip(curve[key], curve["win_rate"]) if w >= threshold), None)
+
+
+def at_level(curve: dict, level: float) -> Optional[float]:
+    """The perplexity where the win-rate curve first reaches `level`, interpolated linearly between the two
+    evaluations around the crossing (the KL axis at a matched win rate); None: never reached."""
+    points = list(zip(curve["win_rate"], curve["perplexities"]))
+    for (w0, p0), (w1, p1) in zip(points, points[1:]):
+        if w0 < level <= w1:
+            return p0 + (p1 - p0) * (level - w0) / (w1 - w0)
+    return points[0][1] if points[0][0] >= level else None
 
 
 def fmt_reach(curves: list[dict], threshold: float, key: str, unit: str = "") -> str:
@@ -108,34 +136,90 @@ def fmt_reach(curves: list[dict], threshold: float, key: str, unit: str = "") ->
     return fmt(reached, 0) + unit + ("" if len(reached) == len(curves) else f" ({len(reached)}/{len(curves)} seeds)")
 
 
+def threshold_of(setting: str, args: Args) -> float:
+    return {"generation-bound": args.threshold, "training-bound": args.training_bound_threshold}[setting]
+
+
+def report_matched_kl(curves: dict, rows: dict, args: Args) -> None:
+    """The KL axis (perplexity under the SFT model) where each run first reaches the same win rates: the threshold,
+    and the highest multiple of 0.05 that every run of the setting reaches (final points sit at different win
+    rates, so only a matched level shows a trade-off)."""
+    for setting in dict.fromkeys(s for s, _ in rows):
+        labels = [label for s, label in rows if s == setting]
+        peak = min(max(curves[setting, label, s]["win_rate"]) for label in labels for s in args.seeds)
+        threshold = threshold_of(setting, args)
+        levels = [level for level in sorted({threshold, math.floor(peak * 20) / 20}) if level <= peak]
+        if not levels:
+            continue
+        print(f"\n{setting}: perplexity where the gold win rate first reaches each level (interpolated between "
+              "evaluations), mean ± s.e. over seeds\n\n| run | " + " | ".join(f"at {w:.2f}" for w in levels)
+              + " |\n|---|" + "---|" * len(levels))
+        for label in labels:
+            cells = [fmt([at_level(curves[setting, label, s], w) for s in args.seeds], 3) for w in levels]
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def report_k_control(curves: dict, args: Args) -> None:
+    """The 2 x 2 of K and the schedule (async), each contrast paired by seed on the t threshold: K's effect at each
+    schedule, the schedule's at each K, and the paper's pair."""
+    def values(label: str, key: str) -> list:
+        runs = [curves["training-bound", label, s] for s in args.seeds]
+        if key == "time to threshold":
+            return [first_reach(r, args.training_bound_threshold, "seconds") for r in runs]
+        return [r[key] for r in runs]
+
+    contrasts = [("K = 4 - K = 2, full lr and episodes", "async K = 4, full", "async K = 2"),
+                 ("K = 4 - K = 2, half lr and episodes", "async K = 4", "async K = 2, halved"),
+                 ("halved - full, K = 2", "async K = 2, halved", "async K = 2"),
+                 ("halved - full, K = 4", "async K = 4", "async K = 4, full"),
+                 ("the paper's pair: K = 4 halved - K = 2 full", "async K = 4", "async K = 2")]
+    keys = ["final", "time to threshold", "perplexity", "first_margin", "margin"]
+    print(f"\nThe K control (async, paired by seed; time to {args.training_bound_threshold} in seconds):\n\n"
+          "| contrast | final gold win rate | time to threshold | perplexity | first step's margin | median margin |\n"
+          "|---|---|---|---|---|---|")
+    for name, a, b in contrasts:
+        cells = []
+        for key in keys:
+            x, y = values(a, key), values(b, key)
+            cells.append("not reached by every seed" if None in x + y else gap(x, y)["text"])
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     extra = ["--num_final_eval_prompts", "512"]
     if args.quick:
-        args.seeds, args.t_values, args.training_bound_eval_every = args.seeds[:1], [2], 32
+        args.seeds, args.t_values, args.training_bound_evaluations, args.k_control = args.seeds[:1], [2], 2, False
         args.generation_bound_episodes, args.training_bound_episodes = 32, 128
         extra = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"]
-    lr = TINY_DEFAULTS["learning_rate"]
     # (setting, label): (script, batch, episodes, evaluate every (episodes), T, K, lr)
     rows = {("generation-bound", f"T = {t}"): ("async_dpo.py", args.generation_bound_batch,
                                                  args.generation_bound_episodes, args.generation_bound_eval_every, t,
                                                  2, args.generation_bound_lr) for t in args.t_values}
-    for schedule, script in [("async", "async_dpo.py"), ("sync", "sync_baseline.py")][: 1 if args.quick else 2]:
-        for k, scale in ((2, 1), (4, 2))[args.quick:]:  # K = 4: half the learning rate and half the episodes
-            rows["training-bound", f"{schedule} K = {k}"] = (
-                script, args.training_bound_batch, args.training_bound_episodes // scale,
-                args.training_bound_eval_every, 1, k, lr / scale)
+    # The paper's pair: K = 2 at the full learning rate and episodes, K = 4 at half of both; the control pair crosses
+    # K with the schedule (K = 2 halved, K = 4 full), async only
+    training_bound = [("async", 2, 1, ""), ("async", 4, 2, ""), ("sync", 2, 1, ""), ("sync", 4, 2, "")]
+    if args.k_control:
+        training_bound[2:2] = [("async", 2, 2, ", halved"), ("async", 4, 1, ", full")]
+    scripts = {"async": "async_dpo.py", "sync": "sync_baseline.py"}
+    for schedule, k, scale, control in training_bound[1: 2 if args.quick else None]:
+        episodes = args.training_bound_episodes // scale
+        rows["training-bound", f"{schedule} K = {k}{control}"] = (
+            scripts[schedule], args.training_bound_batch, episodes, episodes // args.training_bound_evaluations, 1,
+            k, args.training_bound_lr / scale)
     for script, batch, episodes, eval_every, t, k, row_lr in rows.values():
         if episodes % batch or eval_every % batch:
             sys.exit(f"the episodes ({episodes}) and the evaluation interval ({eval_every}) must be multiples of the "
                      f"batch ({batch})")
 
-    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="compute_optimal_")
+    keep_runs = args.runs_dir is not None or not args.quick
+    runs_dir = args.runs_dir or (os.path.join(HERE, "runs", "compute_optimal") if keep_runs else
+                                 tempfile.mkdtemp(prefix="compute_optimal_"))
     curves, sweep_start = {}, time.time()
     try:
         for index, ((setting, label), (script, batch, episodes, eval_every, t, k, row_lr)) in enumerate(rows.items()):
             for seed in args.seeds:
-                name = f"{setting}_{label.replace(' = ', '').replace(' ', '_')}_seed{seed}"
+                name = f"{setting}_{label.replace(' = ', '').replace(',', '').replace(' ', '_')}_seed{seed}"
                 output_dir = os.path.join(runs_dir, name)
                 train(script, [
                     "--tiny_dir", args.tiny_dir, "--seed", str(seed), "--batch_size", str(batch),
@@ -145,25 +229,30 @@ if __name__ == "__main__":
                     episodes // batch * t, f"[{index + 1}/{len(rows)}] {name} ({time.time() - sweep_start:.0f} s)")
                 curves[setting, label, seed] = read_curve(output_dir)
     finally:
-        if args.runs_dir is None:
+        if not keep_runs:
             shutil.rmtree(runs_dir, ignore_errors=True)
 
     # Each setting's regime, then the table: one row per (setting, label), mean ± standard error over seeds
-    print(f"\n{len(args.seeds)} seed(s) per row, mean ± standard error over seeds; time to {args.threshold}: the "
-          "wall-clock seconds (and the episodes) at the first evaluation whose gold win rate reached it\n")
+    print(f"\n{len(args.seeds)} seed(s) per row, mean ± standard error over seeds; time to the threshold "
+          f"({args.threshold} generation-bound, {args.training_bound_threshold} training-bound): the wall-clock "
+          "seconds (and the episodes) at the first evaluation whose gold win rate reached it\n")
     for setting, label in rows:
         runs = [curves[setting, label, s] for s in args.seeds]
         ratio = [r["generation"] / r["training"] for r in runs]
         print(f"{setting}, {label}: a round's generation {fmt([r['generation'] for r in runs], 2)} s, training "
               f"{fmt([r['training'] for r in runs], 2)} s, generation / training {fmt(ratio, 2)}\n  seed "
               f"{args.seeds[0]}'s {runs[0]['regime']}")
-    print("\n| setting | run | gold win rate | perplexity | median pair margin | time | time to "
-          f"{args.threshold} | episodes to {args.threshold} |\n|---|---|---|---|---|---|---|---|")
+    print("\n| setting | run | gold win rate | perplexity | median pair margin | first step's margin | time | time to "
+          "threshold | episodes to threshold |\n|---|---|---|---|---|---|---|---|---|")
     for setting, label in rows:
-        runs = [curves[setting, label, s] for s in args.seeds]
+        runs, threshold = [curves[setting, label, s] for s in args.seeds], threshold_of(setting, args)
         print(f"| {setting} | {label} | {fmt([r['final'] for r in runs])} | {fmt([r['perplexity'] for r in runs], 3)}"
-              f" | {fmt([r['margin'] for r in runs])} | {fmt([r['total'] for r in runs], 0)} s | "
-              f"{fmt_reach(runs, args.threshold, 'seconds', ' s')} | {fmt_reach(runs, args.threshold, 'episodes')} |")
+              f" | {fmt([r['margin'] for r in runs])} | {fmt([r['first_margin'] for r in runs])} | "
+              f"{fmt([r['total'] for r in runs], 0)} s | {fmt_reach(runs, threshold, 'seconds', ' s')} | "
+              f"{fmt_reach(runs, threshold, 'episodes')} |")
+    report_matched_kl(curves, rows, args)
+    if args.k_control:
+        report_k_control(curves, args)
     print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min")
 
     import matplotlib
@@ -185,7 +274,7 @@ if __name__ == "__main__":
             axes[2].errorbar(x, y, xerr=x_err, yerr=y_err, **style)
         for ax, xlabel in zip(axes, ("episodes (training prompts)", "wall-clock seconds of training",
                                      "perplexity under the SFT model (final)")):
-            ax.axhline(args.threshold, color="gray", linestyle=":")
+            ax.axhline(threshold_of(setting, args), color="gray", linestyle=":")
             ax.set(xlabel=xlabel, ylabel="gold win rate")
         axes[0].legend(fontsize=8)
         fig.suptitle(f"Online DPO on the tiny world, {setting} ({len(args.seeds)} seeds, mean ± s.e.; dotted: the "

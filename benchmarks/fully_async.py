@@ -32,8 +32,9 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fully_async_demo import T_95, histogram, mean_se  # noqa: E402
+from fully_async_demo import histogram  # noqa: E402
 from fully_async_demo import run as run_once  # noqa: E402
+from stats import fmt, gap  # noqa: E402
 
 B = 16  # groups a step (the demo's)
 
@@ -97,13 +98,7 @@ def sweep(configs: dict, args: Args) -> dict:
 
 def paired(values: list[float], baseline: list[float]) -> str:
     """The per-seed difference, mean ± s.e., its t and the verdict at the two-sided 95% threshold."""
-    gaps = [a - b for a, b in zip(values, baseline)]
-    if len(gaps) < 2:
-        return f"{gaps[0]:+.3f} (one seed)"
-    se = statistics.stdev(gaps) / len(gaps) ** 0.5
-    t = statistics.mean(gaps) / se if se > 0 else float("inf")
-    verdict = "differs" if abs(t) > T_95[len(gaps) - 1] else "inconclusive"
-    return f"{statistics.mean(gaps):+.3f} ± {se:.3f} (t = {t:.1f} against {T_95[len(gaps) - 1]}: {verdict})"
+    return gap(values, baseline)["text"]
 
 
 def final(runs: dict) -> list[float]:
@@ -124,7 +119,7 @@ def report_schedules(results: dict) -> None:
     print("\n1. The schedules (B = 16 groups of 4; pass@1 greedy on the same test problems at step 0 and at the end; "
           "mean ± s.e. over seeds):")
     base = next(iter(results.values()))
-    print(f"   SFT policy: {mean_se([evals[0]['eval/pass_at_1'] for _, evals, _ in base.values()])}")
+    print(f"   SFT policy: {fmt([evals[0]['eval/pass_at_1'] for _, evals, _ in base.values()])}")
     sync, demo = results.get("k = 0 (synchronous)"), results.get("k = 2, pace")
     for name, runs in results.items():
         steps = [s for s, _, _ in runs.values()]
@@ -133,7 +128,7 @@ def report_schedules(results: dict) -> None:
         accepted = sum(s[-1]["rollouts/accepted_total"] for s in steps)
         gain = paired(final(runs), [evals[0]["eval/pass_at_1"] for _, evals, _ in runs.values()])
         lengths = "/".join(f"{pooled(runs, 'length/' + q):.0f}" for q in ("p50", "p90", "p99"))
-        print(f"   {name:<36} pass@1 {mean_se(final(runs))}, gain {gain}")
+        print(f"   {name:<36} pass@1 {fmt(final(runs))}, gain {gain}")
         print(f"   {'':<36} {statistics.mean(seconds):.0f} s of training; idle: learner "
               f"{whole_run(runs, 'idle/learner_fraction'):.2f}, generator "
               f"{whole_run(runs, 'idle/generator_fraction'):.2f}; staleness "
@@ -152,9 +147,9 @@ def report_naive(naive: dict, schedules: dict) -> None:
     print("\n2. Naive (--proximal behaviour) against decoupled (recompute), final pass@1, mean ± s.e.:")
     for name, runs in naive.items():
         decoupled = schedules.get(name.replace(", naive", ""))
-        against = (f"; decoupled {mean_se(final(decoupled))}; naive - decoupled "
+        against = (f"; decoupled {fmt(final(decoupled))}; naive - decoupled "
                    f"{paired(final(runs), final(decoupled))}") if decoupled else ""
-        print(f"   {name:<24} naive {mean_se(final(runs))}{against}")
+        print(f"   {name:<24} naive {fmt(final(runs))}{against}")
 
 
 def report_inflight(results: dict) -> None:
@@ -167,11 +162,11 @@ def report_inflight(results: dict) -> None:
                 f"{whole_run(runs, 'idle/generator_fraction'):.2f}; completions over 2+ versions "
                 f"{pooled(runs, 'inflight/multi_version_fraction'):.0%}, versions a completion "
                 f"{pooled(runs, 'inflight/versions_per_completion'):.2f}; tokens' staleness "
-                f"{pooled(runs, 'staleness/token_mean'):.2f}; pass@1 {mean_se(final(runs))}")
+                f"{pooled(runs, 'staleness/token_mean'):.2f}; pass@1 {fmt(final(runs))}")
         if drain is not None and runs is not drain:
             drain_per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in drain.values()]
             speedups = [d / p for d, p in zip(drain_per_step, per_step)]
-            line += f"\n   {'':<30} speed-up over drain-then-reload {mean_se(speedups)}x; seconds a step " \
+            line += f"\n   {'':<30} speed-up over drain-then-reload {fmt(speedups)}x; seconds a step " \
                     f"{paired(per_step, drain_per_step)}"
         print(line)
 

@@ -21,7 +21,8 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # two-sided 95% thresholds of the t-distribution, by df
+sys.path.insert(0, HERE)
+from stats import fmt, gap  # noqa: E402
 
 
 @dataclass
@@ -56,12 +57,6 @@ def finished(folder: str) -> bool:
     return os.path.exists(os.path.join(folder, "regime.txt"))  # (written once the run has ended)
 
 
-def mean_se(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / len(values) ** 0.5:.3f}"
-
-
 def report_demo(demo: dict) -> None:
     steps = [r["step"] for r in next(iter(demo.values()))[1]]
     print(f"\ndemo (python fully_async_grpo.py --model tiny), greedy pass@1 on the test problems, mean ± s.e. over "
@@ -69,16 +64,11 @@ def report_demo(demo: dict) -> None:
     for i, step in enumerate(steps):
         values = [evals[i]["eval/pass_at_1"] for _, evals, _ in demo.values()]
         elapsed = [evals[i]["time/elapsed"] for _, evals, _ in demo.values()]
-        print(f"  step {step:>3}: {mean_se(values)}   (per seed: {', '.join(f'{v:.3f}' for v in values)}; "
+        print(f"  step {step:>3}: {fmt(values)}   (per seed: {', '.join(f'{v:.3f}' for v in values)}; "
               f"{statistics.mean(elapsed):.0f} s into training)")
-    gains = [evals[-1]["eval/pass_at_1"] - evals[0]["eval/pass_at_1"] for _, evals, _ in demo.values()]
-    if len(gains) > 1:
-        se = statistics.stdev(gains) / len(gains) ** 0.5
-        t = statistics.mean(gains) / se if se > 0 else float("inf")
-        threshold = T_95[len(gains) - 1]
-        print(f"  gain from SFT: {mean_se(gains)} (paired over seeds, both on the same 400 problems); t = {t:.1f} "
-              f"against {threshold} (t-distribution, {len(gains) - 1} df, two-sided 95%): "
-              f"{'a gain' if t > threshold else 'inconclusive'}")
+    final, sft = ([evals[i]["eval/pass_at_1"] for _, evals, _ in demo.values()] for i in (-1, 0))
+    if len(final) > 1:
+        print(f"  gain from SFT (paired over seeds, both on the same test problems): {gap(final, sft)['text']}")
     for seed, (steps_, _, regime) in demo.items():
         print(f"  seed {seed}: staleness {histogram(steps_)}, {regime}")
 

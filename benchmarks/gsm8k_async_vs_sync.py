@@ -9,9 +9,7 @@ speed-up of async over sync; saves the plot of pass@1 against wall-clock time (t
     python benchmarks/gsm8k_async_vs_sync.py --quick    # one seed, short runs, for CI
 """
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +22,9 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+from stats import fmt, gap  # noqa: E402
+
 import tiny_world  # noqa: E402
 
 SPLITS = {"eval/pass_at_1": "new problems, seen facts", "eval/test_unseen_facts/pass_at_1": "unseen facts"}
@@ -56,17 +57,6 @@ def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
                 process_seconds=time.time() - start, staleness=sorted({r["staleness"] for r in steps}))
 
 
-def standard_error(values: list[float]) -> float:
-    """The standard error of the mean over seeds: the spread over seeds / sqrt(seeds)."""
-    return statistics.stdev(values) / math.sqrt(len(values))
-
-
-def mean_and_error(values: list[float], digits: int = 3) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {standard_error(values):.{digits}f}"
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.quick:
@@ -88,20 +78,17 @@ if __name__ == "__main__":
             print(f"| {schedule} | {seed} | {split} | {first[key]:.3f} ± {first[key + '_stderr']:.3f} | "
                   f"{last[key]:.3f} ± {last[key + '_stderr']:.3f} | {r['train_seconds']:.1f} s | {r['staleness']} |")
     print(f"\nOver {len(args.seeds)} seeds (mean ± standard error over seeds):")
-    print("| schedule | split | pass@1 before | pass@1 after | gain | gain / its standard error | training time |")
-    print("|---|---|---|---|---|---|---|")
+    print("| schedule | split | pass@1 before | pass@1 after | gain (paired by seed, t-test) | training time |")
+    print("|---|---|---|---|---|---|")
     for schedule in ("async", "sync"):
         seconds = [runs[schedule, s]["train_seconds"] for s in args.seeds]
         for key, split in SPLITS.items():
             before = [runs[schedule, s]["evals"][0][key] for s in args.seeds]
             after = [runs[schedule, s]["evals"][-1][key] for s in args.seeds]
-            gains = [a - b for a, b in zip(after, before)]
-            ratio = (statistics.mean(gains) / standard_error(gains)
-                     if len(gains) > 1 and statistics.stdev(gains) > 0 else float("nan"))
-            print(f"| {schedule} | {split} | {mean_and_error(before)} | {mean_and_error(after)} | "
-                  f"{mean_and_error(gains)} | {ratio:.1f} | {mean_and_error(seconds, 1)} s |")
+            print(f"| {schedule} | {split} | {fmt(before)} | {fmt(after)} | {gap(after, before)['text']} | "
+                  f"{fmt(seconds, 1)} s |")
     speedups = [runs["sync", s]["train_seconds"] / runs["async", s]["train_seconds"] for s in args.seeds]
-    print(f"\nspeed-up of async over sync (sync time / async time): {mean_and_error(speedups, 2)}; per seed "
+    print(f"\nspeed-up of async over sync (sync time / async time): {fmt(speedups, 2)}; per seed "
           + ", ".join(f"{x:.2f}" for x in speedups) + " (the paper: 218 / 129 min = 1.69)")
 
     import matplotlib

@@ -40,7 +40,9 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
+sys.path[:0] = [REPO, HERE]
+from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stderr, recovered  # noqa: E402
+
 import tiny_world  # noqa: E402
 
 SCRIPTS = {"dpo": ("async_dpo.py", []), "ppo": ("async_ppo.py", []), "rloo": ("async_rloo.py", []),  # (flags)
@@ -74,8 +76,9 @@ class Args:
     plot_dir: str = HERE
     """where the three plots go"""
     runs_dir: Optional[str] = None
-    """where each run's folder (metrics.jsonl, generator log) goes, kept (a run already finished there is read
-    back, not run again); default: a temporary folder, deleted after"""
+    """where each run's folder (metrics.jsonl, generator log) goes, kept so that a figure can be recomputed and a
+    sweep resumed (a run already finished there is read back, not run again); default: benchmarks/runs/off_policy
+    (--quick: a temporary folder, deleted after)"""
     quick: bool = False
     """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT and CoPG at N = 2; one seed, 128 episodes,
     evaluations on 64 prompts: checks that the benchmark works, measures nothing"""
@@ -123,14 +126,22 @@ def read_run(output_dir: str) -> dict:
                 update=statistics.mean(r["lag/update"] for r in steps), seconds=evals[-1]["time/elapsed"])
 
 
-def mean_and_stderr(values: list[float]) -> tuple[float, float]:
-    """Mean, and its standard error over seeds (0 for one seed)."""
-    return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
-
-
-def fmt(values: list[float], digits: int = 3) -> str:
-    mean, stderr = mean_and_stderr(values)
-    return f"{mean:.{digits}f} ± {stderr:.{digits}f}"
+def report_corrections(table: dict, variants: list[tuple], first_n: int) -> None:
+    """Each corrected (or pi_old-only) point against the uncorrected run at the same N, paired by seed, and the share
+    of the loss from N = first_n to that N that it wins back, with its 95% interval."""
+    rows = [(a, n, v) for a, n, v in variants if (a, n, "plain") in table]
+    if not rows:
+        return
+    print(f"\nThe corrections against the uncorrected run at the same N (paired by seed) and the share of the loss "
+          f"from N = {first_n} to that N they win back (recovered):")
+    print("\n| rule | N | metric | uncorrected | corrected | gap | recovered |\n|---|---|---|---|---|---|---|")
+    for algorithm, n, variant in rows:
+        for metric in ("gold win rate", "gold score"):
+            plain, values = table[algorithm, n, "plain"][metric], table[algorithm, n, variant][metric]
+            reference = table.get((algorithm, first_n, "plain"))
+            share = fmt_share(recovered(values, plain, reference[metric]), "no loss") if reference else ""
+            print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {metric} | {fmt(plain)} | {fmt(values)} | "
+                  f"{gap(values, plain)['text']} | {share} |")
 
 
 if __name__ == "__main__":
@@ -153,7 +164,9 @@ if __name__ == "__main__":
 
     # (--quick: the evaluations on 64 prompts, the first and the final)
     quick_evaluations = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"] if args.quick else []
-    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="off_policy_")
+    keep_runs = args.runs_dir is not None or not args.quick
+    runs_dir = args.runs_dir or (os.path.join(HERE, "runs", "off_policy") if keep_runs else
+                                 tempfile.mkdtemp(prefix="off_policy_"))
     runs, sweep_start = {}, time.time()
     try:
         for index, (algorithm, n, variant) in enumerate(points):
@@ -167,29 +180,41 @@ if __name__ == "__main__":
                     args.total_episodes // args.batch_size,
                     f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)")
     finally:
-        if args.runs_dir is None:
+        if not keep_runs:
             shutil.rmtree(runs_dir, ignore_errors=True)
 
-    # The table: one row per (algorithm, N), mean ± standard error over the seeds of the final evaluation
-    first_run = next(iter(runs.values()))
-    sft, num_final = first_run["sft"], first_run["final"]["eval/num_prompts"]
-    print(f"\nSFT policy: gold win rate {sft['eval/gold_win_rate']:.3f}, gold score {sft['eval/gold_reward']:.3f}, "
-          f"perplexity {sft['eval/perplexity']:.3f}; final evaluations on {num_final} prompts "
-          f"(binomial stderr of one win rate at most {math.sqrt(0.25 / num_final):.3f}); "
-          f"{len(args.seeds)} seed(s) per row, mean ± standard error over seeds")
-    print("\n| algorithm | N | staleness | gold win rate | gold score | perplexity | proxy score | lag/kl "
+    # The SFT policy, scored at step 0 of every run on the final evaluations' prompts: the baseline of every gain
+    num_final = next(iter(runs.values()))["final"]["eval/num_prompts"]
+    if any(r["sft"]["eval/num_prompts"] != num_final for r in runs.values()):
+        sys.exit("a run scored its SFT policy on other prompts than its final evaluation: rerun it (the scripts now "
+                 "score step 0 on the final evaluation's prompts)")
+    sft = {key: statistics.mean(r["sft"][key] for r in runs.values()) for key in FINAL_METRICS.values()}
+    sft_se = binomial_stderr(sft["eval/gold_win_rate"], num_final)
+    print(f"\nSFT policy on the final evaluations' {num_final} prompts (mean of every run's step 0): gold win rate "
+          f"{sft['eval/gold_win_rate']:.3f} (binomial stderr {sft_se:.3f}), gold score {sft['eval/gold_reward']:.3f}, "
+          f"perplexity {sft['eval/perplexity']:.3f}; {len(args.seeds)} seed(s) per row, mean ± standard error over "
+          f"seeds (one win rate's own binomial stderr is at most {math.sqrt(0.25 / num_final):.3f}). Gain kept: the "
+          f"share of the rule's N = {min(args.n_values)} gain over the SFT policy's win rate, with a 95% interval "
+          f"(t over seeds, the baseline's binomial error included)")
+    print("\n| algorithm | N | staleness | gold win rate | gain kept | gold score | perplexity | proxy score | lag/kl "
           "| lag/update | time |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    table, lags = {}, {}
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    table, lags, first_n = {}, {}, min(args.n_values)
     for algorithm, n, variant in points:
         seeds = [runs[algorithm, n, variant, s] for s in args.seeds]
         table[algorithm, n, variant] = {name: [r["final"][key] for r in seeds] for name, key in FINAL_METRICS.items()}
         lags[algorithm, n, variant] = [r["lag"] for r in seeds]
         staleness = sorted({s for r in seeds for s in r["staleness"]})
-        print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {staleness[0]}..{staleness[-1]} | " + " | ".join(
-            fmt(values, 2 if name == "perplexity" else 3) for name, values in table[algorithm, n, variant].items())
-            + f" | {fmt([r['lag'] for r in seeds], 4)} | {fmt([r['update'] for r in seeds], 5)}"
-            + f" | {statistics.mean(r['seconds'] for r in seeds):.0f} s |")
+        reference = table.get((algorithm, first_n, "plain"))
+        kept = "" if reference is None or (n, variant) == (first_n, "plain") else fmt_share(gain_kept(
+            table[algorithm, n, variant]["gold win rate"], reference["gold win rate"], sft["eval/gold_win_rate"],
+            sft_se))
+        columns = [fmt(values, 2 if name == "perplexity" else 3)
+                   for name, values in table[algorithm, n, variant].items()]
+        print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {staleness[0]}..{staleness[-1]} | {columns[0]} | {kept} | "
+              + " | ".join(columns[1:]) + f" | {fmt([r['lag'] for r in seeds], 4)} | "
+              f"{fmt([r['update'] for r in seeds], 5)} | {statistics.mean(r['seconds'] for r in seeds):.0f} s |")
+    report_corrections(table, [(a, n, v) for a, n, v in points if v != "plain"], first_n)
     corrected = [(a, n) for a, n, v in points if v == "corrected"]
     if corrected:
         print("\nThe sampler's importance weights w of the corrected runs, over every step of every seed:")

@@ -31,7 +31,8 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from off_policy import fmt, mean_and_stderr, train  # noqa: E402
+from off_policy import train  # noqa: E402
+from stats import fmt, mean_and_stderr  # noqa: E402
 
 import tiny_world  # noqa: E402
 from async_dpo import TINY_DEFAULTS  # noqa: E402

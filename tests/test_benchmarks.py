@@ -4,8 +4,28 @@ import json
 import math
 import os
 
+import pytest
 from conftest import run_script
 from test_end_to_end import read_metrics
+
+from benchmarks import stats
+
+
+def test_the_derived_figures_worked_by_hand():
+    """The benchmarks' statistics: a paired gap judged on the t threshold (4.30 for three seeds, not 2), and the
+    shares of a gain (kept, recovered) whose intervals carry the baseline's error too."""
+    assert stats.t_95(2) == 4.303 and stats.t_95(11) == 2.228 and stats.t_95(40) == 1.96
+    # gaps 0.1, 0.2, 0.3: mean 0.2, s.e. 0.1 / sqrt(3), t = 3.46 < 4.30
+    result = stats.gap([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
+    assert result["t"] == pytest.approx(2 * math.sqrt(3)) and not result["passes"] and "inconclusive" in result["text"]
+    assert stats.gap([0.5, 0.6, 0.7], [0.2, 0.21, 0.2])["passes"]
+    # kept: (0.6 - 0.4) / (0.8 - 0.4) = 0.5; the baseline's error alone: d/db = (0.2 - 0.4) / 0.4^2 = -1.25
+    value, low, high = stats.gain_kept([0.6] * 3, [0.8] * 3, 0.4, 0.02)
+    assert value == pytest.approx(0.5) and high - value == pytest.approx(4.303 * 1.25 * 0.02) == value - low
+    assert stats.gain_kept([0.6] * 3, [0.4] * 3, 0.4, 0.02) is None  # no gain to keep a share of
+    # recovered: the corrected run wins back (0.5 - 0.4) of the loss (0.6 - 0.4): half
+    assert stats.recovered([0.5] * 3, [0.4] * 3, [0.6] * 3)[0] == pytest.approx(0.5)
+    assert stats.fmt_share(None, "no loss") == "no loss" and stats.fmt_share((0.5, 0.4, 0.6)) == "50% (40% to 60%)"
 
 
 def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
@@ -206,7 +226,7 @@ def test_compute_optimal_quick(tiny_dir, tmp_path):
     reward margin; both plots."""
     runs = tmp_path / "runs"
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
-                        script=os.path.join("benchmarks", "compute_optimal.py"))
+                        "--training_bound_lr", "1e-4", script=os.path.join("benchmarks", "compute_optimal.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split(" | ")[:2] for line in table(result.stdout) if line.startswith(("| generation", "| training"))]
     assert rows == [["| generation-bound", "T = 2"], ["| training-bound", "async K = 4"]], result.stdout

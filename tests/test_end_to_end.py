@@ -87,8 +87,9 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     assert lags[0] < 1e-8 and min(lags[1:]) > 100 * lags[0] and all(r["lag/update"] > 0 for r in steps)
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60]
     assert all(set(EVAL_METRICS) <= set(r) and len(r["eval/samples"]) == 3 for r in evals)
-    # 128 validation prompts during training; the final evaluation takes the whole split
-    assert [r["eval/num_prompts"] for r in evals] == [128] * 4 + [512]
+    # 128 validation prompts during training; the SFT policy's (the gains' baseline) and the final evaluation take
+    # the whole split, so a gain compares the same prompts
+    assert [r["eval/num_prompts"] for r in evals] == [512] + [128] * 3 + [512]
     assert [r["episode"] for r in evals] == [0, 480, 960, 1440, 1920]
     # The policy optimises the proxy, and the gold model it never sees judges it better, at a KL cost. Each bar is
     # set by the run's own spread: the win rates by their logged standard errors, the proxy's mean scores (of the
@@ -148,7 +149,7 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
     steps, evals = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
-    assert [r["step"] for r in evals] == [0, 3, 6] and [r["eval/num_prompts"] for r in evals] == [65, 65, 129]
+    assert [r["step"] for r in evals] == [0, 3, 6] and [r["eval/num_prompts"] for r in evals] == [129, 65, 129]
     single_steps, single_evals = single_process_run
     for key in ("reward/mean", "loss/dpo", "logps/chosen"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3)

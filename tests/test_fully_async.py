@@ -102,7 +102,7 @@ def test_bad_flags_get_one_clear_error(flags_, message, tmp_path, capsys):
 
 def stream_flags(chains_dir: str, out, *flags_: str) -> tuple:
     return ("--model", "tiny", "--tiny_dir", chains_dir, "--output_dir", str(out), "--eval_every", "0",
-            "--num_eval_prompts", "32", "--num_final_eval_prompts", "32", *flags_)
+            "--num_eval_prompts", "16", "--num_final_eval_prompts", "32", *flags_)
 
 
 def start_stream(chains_dir: str, out, *flags_: str) -> subprocess.Popen:
@@ -146,6 +146,7 @@ def test_pace_sigterm_and_resume(chains_dir, tmp_path):
     assert abs(steps[0]["policy/ratio_mean"] - 1) < 1e-5 and abs(steps[0]["is/weight_mean"] - 1) < 1e-5
     assert abs(steps[0]["is/weight_max"] - 1) < 1e-4
     assert [r["step"] for r in evals] == [0, 6]
+    assert [r["eval/num_prompts"] for r in evals] == [32, 32]  # the baseline on the final evaluation's prompts
 
 
 def test_drop_discards_what_arrives_too_stale_under_torchrun(chains_dir, tmp_path):

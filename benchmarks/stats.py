@@ -1,0 +1,99 @@
+"""The statistics every benchmark prints, in one place, so that no derived figure is worked by hand.
+
+Seeds are few (three by default), so a mean's uncertainty is its standard error over seeds and a gap is judged
+against the two-sided 95% threshold of the t-distribution with seeds - 1 degrees of freedom (4.30 for three seeds),
+not against "2 standard errors". A share of two gains (a gain kept, a loss recovered) is a ratio of noisy figures:
+its interval comes from the delta method over every term that carries noise, the baseline's binomial error
+included, scaled by the same t threshold.
+"""
+import math
+import statistics
+from typing import Optional
+
+T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}  # two-sided 95% thresholds of the t-distribution, by df
+
+
+def t_95(df: int) -> float:
+    """The two-sided 95% threshold at `df` degrees of freedom (the next smaller tabled df: conservative)."""
+    if df < 1:
+        raise ValueError("a t threshold needs at least one degree of freedom (two seeds)")
+    return 1.96 if df > 30 else T_95[max(d for d in T_95 if d <= df)]
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean, and its standard error over seeds (0 for one seed)."""
+    return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def fmt(values: list[float], digits: int = 3) -> str:
+    """mean ± standard error over seeds (the mean alone for one seed)."""
+    mean, stderr = mean_and_stderr(values)
+    return f"{mean:.{digits}f}" if len(values) == 1 else f"{mean:.{digits}f} ± {stderr:.{digits}f}"
+
+
+def binomial_stderr(rate: float, n: int) -> float:
+    """The standard error of one rate measured on n prompts (one evaluation's own noise)."""
+    return math.sqrt(max(rate * (1 - rate), 0.0) / n)
+
+
+def gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
+    """The per-seed difference values - baseline (paired by seed): its mean, standard error, t, the threshold and
+    whether it passes it."""
+    if len(values) != len(baseline):
+        raise ValueError(f"a paired gap needs as many seeds on each side, got {len(values)} and {len(baseline)}")
+    gaps = [a - b for a, b in zip(values, baseline)]
+    mean, se = mean_and_stderr(gaps)
+    if len(gaps) < 2:
+        return dict(mean=mean, se=0.0, t=None, threshold=None, passes=False, text=f"{mean:+.{digits}f} (one seed)")
+    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0
+    threshold = t_95(len(gaps) - 1)
+    passes = abs(t) > threshold
+    text = (f"{mean:+.{digits}f} ± {se:.{digits}f} (t = {t:.1f}, threshold {threshold:.2f}: "
+            f"{'passes' if passes else 'inconclusive'})")
+    return dict(mean=mean, se=se, t=t, threshold=threshold, passes=passes, text=text)
+
+
+def ratio_interval(numerator: float, denominator: float, gradients_and_errors: list[tuple[float, float]],
+                   df: int) -> Optional[tuple[float, float, float]]:
+    """numerator / denominator with a t-scaled delta-method interval: `gradients_and_errors` holds, for every
+    independent noisy term, the ratio's derivative by it and its standard error. None when the denominator is
+    not positive (no gain to take a share of)."""
+    if denominator <= 0:
+        return None
+    value = numerator / denominator
+    half = (t_95(df) if df >= 1 else 0.0) * math.sqrt(sum((g * e) ** 2 for g, e in gradients_and_errors))
+    return value, value - half, value + half
+
+
+def gain_kept(values: list[float], reference: list[float], baseline: float, baseline_se: float) -> Optional[tuple]:
+    """The share of the reference's gain over the baseline that `values` keep: (mean(values) - b) /
+    (mean(reference) - b), with b the baseline (the SFT policy, scored on the same prompts as the final
+    evaluations) and its binomial standard error; the interval carries both seed means' errors and b's."""
+    (x, x_se), (r, r_se) = mean_and_stderr(values), mean_and_stderr(reference)
+    kept, gain = x - baseline, r - baseline
+    if gain <= 0:
+        return None
+    # d/dx = 1/gain, d/dr = -kept/gain^2, d/db = (kept - gain)/gain^2
+    return ratio_interval(kept, gain, [(1 / gain, x_se), (-kept / gain ** 2, r_se),
+                                       ((kept - gain) / gain ** 2, baseline_se)], len(values) - 1)
+
+
+def recovered(corrected: list[float], uncorrected: list[float], reference: list[float]) -> Optional[tuple]:
+    """The share of the loss from the reference (N = 1) to the uncorrected run that the correction wins back:
+    (mean(corrected) - mean(uncorrected)) / (mean(reference) - mean(uncorrected)), with its interval."""
+    (c, c_se), (u, u_se), (r, r_se) = (mean_and_stderr(v) for v in (corrected, uncorrected, reference))
+    won, loss = c - u, r - u
+    if loss <= 0:
+        return None
+    # d/dc = 1/loss, d/du = (won - loss)/loss^2, d/dr = -won/loss^2
+    return ratio_interval(won, loss, [(1 / loss, c_se), ((won - loss) / loss ** 2, u_se), (-won / loss ** 2, r_se)],
+                          len(corrected) - 1)
+
+
+def fmt_share(share: Optional[tuple], none: str = "no gain") -> str:
+    """A share and its interval in percent, or `none` when there is nothing to take a share of."""
+    if share is None:
+        return none
+    value, low, high = share
+    return f"{value:.0%} ({low:.0%} to {high:.0%})" if high > low else f"{value:.0%}"
