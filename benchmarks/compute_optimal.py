@@ -38,7 +38,7 @@ from typing import Optional
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 from off_policy import train  # noqa: E402
 from stats import fmt, gap, mean_and_stderr  # noqa: E402
 

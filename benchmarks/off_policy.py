@@ -65,6 +65,8 @@ class Args:
     """seeds per (algorithm, N)"""
     total_episodes: int = 2048
     """training prompts per run, the same at every N (the demos' 1,920 rounded to a multiple of 64 x 16)"""
+    learning_rate: Optional[float] = None
+    """every run's learning rate (default: each script's tiny default, 1e-4); a run's folder names it when set"""
     recompute_at_largest_n: bool = True
     """also run PPO and RLOO with --recompute_old_logprobs at the largest N"""
     copg_n_values: list[int] = field(default_factory=lambda: [1, 4, 16])
@@ -164,6 +166,8 @@ if __name__ == "__main__":
 
     # (--quick: the evaluations on 64 prompts, the first and the final)
     quick_evaluations = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"] if args.quick else []
+    lr_flags = [] if args.learning_rate is None else ["--learning_rate", str(args.learning_rate)]
+    lr_suffix = "" if args.learning_rate is None else f"_lr{args.learning_rate:g}"
     keep_runs = args.runs_dir is not None or not args.quick
     runs_dir = args.runs_dir or (os.path.join(HERE, "runs", "off_policy") if keep_runs else
                                  tempfile.mkdtemp(prefix="off_policy_"))
@@ -171,12 +175,12 @@ if __name__ == "__main__":
     try:
         for index, (algorithm, n, variant) in enumerate(points):
             for seed in args.seeds:
-                name = f"{algorithm}{'' if variant == 'plain' else '_' + variant}_n{n}_seed{seed}"
+                name = f"{algorithm}{'' if variant == 'plain' else '_' + variant}_n{n}_seed{seed}{lr_suffix}"
                 script, flags = SCRIPTS[algorithm]
                 runs[algorithm, n, variant, seed] = train(script, [
                     "--tiny_dir", args.tiny_dir, "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes",
                     str(args.total_episodes), "--batch_size", str(args.batch_size), "--eval_every", "0", *flags,
-                    *VARIANTS[variant][0], *quick_evaluations], os.path.join(runs_dir, name),
+                    *VARIANTS[variant][0], *lr_flags, *quick_evaluations], os.path.join(runs_dir, name),
                     args.total_episodes // args.batch_size,
                     f"[{index + 1}/{len(points)}] {name} ({time.time() - sweep_start:.0f} s so far)")
     finally:

@@ -30,9 +30,9 @@ from typing import Optional
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 from off_policy import train  # noqa: E402
-from stats import fmt, mean_and_stderr  # noqa: E402
+from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stderr, unpaired_gap  # noqa: E402
 
 import tiny_world  # noqa: E402
 from async_dpo import TINY_DEFAULTS  # noqa: E402
@@ -62,6 +62,33 @@ class Args:
     temporary folder, deleted after"""
     quick: bool = False
     """two sizes (a quick build), N = 2, one seed, 64 episodes, a final evaluation on 64 prompts"""
+
+
+def report_size_statistic(results: dict, smallest: str, largest: str) -> None:
+    """The statistic fixed before the runs: per seed, d = gold win rate at the largest N - at the smallest N (paired by
+    seed), for every policy, proxy and learning rate; each point's gain kept over its own SFT policy (scored on the
+    same prompts, with an interval that counts that baseline's error); and d_largest - d_smallest (Welch)."""
+    n_values = sorted({n for _, _, n, _ in results})
+    if len(n_values) < 2:
+        return
+    first, last = n_values[0], n_values[-1]
+    finals = {key: [r["final"]["eval/gold_win_rate"] for r in rows] for key, rows in results.items()}
+    print(f"\nd = gold win rate at N = {last} - at N = {first}, paired by seed; gain kept at N = {last} over the "
+          "policy's own SFT (step 0, the same prompts), 95% interval\n\n| policy | proxy | lr | d | gain kept |\n"
+          "|---|---|---|---|---|")
+    d = {}
+    for policy, proxy, n, kind in results:
+        if n != last or (policy, proxy, first, kind) not in results:
+            continue
+        at_last, at_first = finals[policy, proxy, last, kind], finals[policy, proxy, first, kind]
+        d[policy, proxy, kind] = [a - b for a, b in zip(at_last, at_first)]
+        sft = [r["sft"] for r in results[policy, proxy, first, kind]]
+        baseline = statistics.mean(e["eval/gold_win_rate"] for e in sft)
+        kept = gain_kept(at_last, at_first, baseline, binomial_stderr(baseline, sft[0]["eval/num_prompts"]))
+        print(f"| {policy} | {proxy} | {kind} | {gap(at_last, at_first)['text']} | {fmt_share(kept)} |")
+    if (largest, smallest, "default") in d and (smallest, smallest, "default") in d:
+        print(f"\nd_{largest} - d_{smallest} (proxy {smallest}, default lr; the hypothesis predicts > 0): "
+              f"{unpaired_gap(d[largest, smallest, 'default'], d[smallest, smallest, 'default'])['text']}")
 
 
 if __name__ == "__main__":
@@ -126,6 +153,7 @@ if __name__ == "__main__":
               f"{fmt([r['final']['eval/gold_win_rate'] for r in rows])} | "
               f"{fmt([r['final']['eval/perplexity'] for r in rows], 2)} | {fmt([r['lag'] for r in rows], 4)} | "
               f"{fmt([r['update'] for r in rows], 5)} | {statistics.mean(r['seconds'] for r in rows):.0f} s |")
+    report_size_statistic(results, smallest, largest)
     print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min")
 
     import matplotlib

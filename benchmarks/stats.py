@@ -54,6 +54,22 @@ def gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
     return dict(mean=mean, se=se, t=t, threshold=threshold, passes=passes, text=text)
 
 
+def unpaired_gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
+    """mean(values) - mean(baseline) for two independent sets of seeds (Welch's standard error), judged against the t
+    threshold at the smaller side's degrees of freedom (conservative, fixed in advance rather than estimated)."""
+    (a, a_se), (b, b_se) = mean_and_stderr(values), mean_and_stderr(baseline)
+    mean, se, df = a - b, math.hypot(a_se, b_se), min(len(values), len(baseline)) - 1
+    if df < 1:
+        return dict(mean=mean, se=0.0, t=None, threshold=None, passes=False, text=f"{mean:+.{digits}f} (one seed)")
+    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0
+    threshold = t_95(df)
+    passes = abs(t) > threshold
+    text = (f"{mean:+.{digits}f} ± {se:.{digits}f} (t = {t:.1f}, threshold {threshold:.2f}: "
+            f"{'passes' if passes else 'inconclusive'}; 95% interval {mean - threshold * se:+.{digits}f} to "
+            f"{mean + threshold * se:+.{digits}f})")
+    return dict(mean=mean, se=se, t=t, threshold=threshold, passes=passes, text=text)
+
+
 def ratio_interval(numerator: float, denominator: float, gradients_and_errors: list[tuple[float, float]],
                    df: int) -> Optional[tuple[float, float, float]]:
     """numerator / denominator with a t-scaled delta-method interval: `gradients_and_errors` holds, for every

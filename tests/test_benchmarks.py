@@ -3,6 +3,7 @@ measure are in the README, from full runs)."""
 import json
 import math
 import os
+import tarfile
 
 import pytest
 from conftest import run_script
@@ -19,6 +20,9 @@ def test_the_derived_figures_worked_by_hand():
     result = stats.gap([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
     assert result["t"] == pytest.approx(2 * math.sqrt(3)) and not result["passes"] and "inconclusive" in result["text"]
     assert stats.gap([0.5, 0.6, 0.7], [0.2, 0.21, 0.2])["passes"]
+    # unpaired: 0.6 - 0.4 with standard errors 0.1 / sqrt(3) each: s.e. 0.0816, t = 2.45 at 2 df
+    unpaired = stats.unpaired_gap([0.5, 0.6, 0.7], [0.3, 0.4, 0.5])
+    assert unpaired["t"] == pytest.approx(0.2 / math.sqrt(2 * 0.01 / 3)) and unpaired["threshold"] == 4.303
     # kept: (0.6 - 0.4) / (0.8 - 0.4) = 0.5; the baseline's error alone: d/db = (0.2 - 0.4) / 0.4^2 = -1.25
     value, low, high = stats.gain_kept([0.6] * 3, [0.8] * 3, 0.4, 0.02)
     assert value == pytest.approx(0.5) and high - value == pytest.approx(4.303 * 1.25 * 0.02) == value - low
@@ -26,6 +30,26 @@ def test_the_derived_figures_worked_by_hand():
     # recovered: the corrected run wins back (0.5 - 0.4) of the loss (0.6 - 0.4): half
     assert stats.recovered([0.5] * 3, [0.4] * 3, [0.6] * 3)[0] == pytest.approx(0.5)
     assert stats.fmt_share(None, "no loss") == "no loss" and stats.fmt_share((0.5, 0.4, 0.6)) == "50% (40% to 60%)"
+
+
+def test_the_size_statistic_worked_by_hand(capsys):
+    """scaling.py's statistic fixed before the runs, on made-up finals: d = win(N = 64) - win(N = 1) per seed for each
+    size, its gain kept over the size's own SFT, and d_large - d_small with its t (Welch, 2 df)."""
+    from benchmarks import scaling
+
+    def runs(wins: list, sft: float) -> list:
+        return [dict(final={"eval/gold_win_rate": w}, sft={"eval/gold_win_rate": sft, "eval/num_prompts": 512})
+                for w in wins]
+    results = {("small", "small", 1, "default"): runs([0.5, 0.6, 0.7], 0.2),
+               ("small", "small", 64, "default"): runs([0.2, 0.3, 0.4], 0.2),  # d = -0.3 each: kept 0%
+               ("large", "small", 1, "default"): runs([0.6, 0.6, 0.6], 0.3),
+               ("large", "small", 64, "default"): runs([0.6, 0.5, 0.7], 0.3)}  # d = 0, -0.1, +0.1: kept 100%
+    scaling.report_size_statistic(results, "small", "large")
+    out = capsys.readouterr().out
+    assert "| small | small | default | -0.300 ± 0.000" in out and "| large | small | default | +0.000 ± 0.058" in out
+    assert "0% (" in out and "100% (" in out
+    # d_large - d_small = 0.3, s.e. 0.1 / sqrt(3) (d_small's spread is 0): t = 5.2 > 4.30
+    assert "d_large - d_small (proxy small, default lr; the hypothesis predicts > 0): +0.300 ± 0.058 (t = 5.2" in out
 
 
 def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
@@ -245,3 +269,15 @@ def test_compute_optimal_quick(tiny_dir, tmp_path):
     assert [r["episode"] for r in k4] == [32, 64] and math.isclose(k4[0]["lr"], 1e-4 / 2 * (1 - 1 / 2))
     for name in ("compute_optimal_generation_bound.png", "compute_optimal_training_bound.png"):
         assert (tmp_path / name).stat().st_size > 1000
+    # The sweep packed into an archive and unpacked elsewhere: the same tables, recomputed without running anything
+    archive, unpacked = tmp_path / "sweep.tar.xz", tmp_path / "unpacked"
+    packed = run_script(str(runs), str(archive), script=os.path.join("benchmarks", "archive_runs.py"))
+    assert packed.returncode == 0 and "2 runs packed" in packed.stdout, packed.stderr[-3000:]
+    unpacked.mkdir()
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    again = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir",
+                       str(unpacked / "runs"), "--training_bound_lr", "1e-4",
+                       script=os.path.join("benchmarks", "compute_optimal.py"))
+    assert again.returncode == 0 and "[1/" not in again.stdout, again.stderr[-3000:]  # (nothing ran)
+    assert table(again.stdout) == table(result.stdout)

@@ -1,0 +1,42 @@
+"""Pack a sweep's run folders into one small archive that the repository can keep, so that every figure a sweep
+printed (and any computed after it) can be recomputed from the runs themselves, without running them again.
+
+Each run keeps its metrics.jsonl, less the few sample summaries each evaluation prints (`eval/samples`); a sweep
+script pointed at the unpacked folder reads every finished run back instead of running it:
+
+    python benchmarks/archive_runs.py benchmarks/runs/off_policy docs/runs/off_policy.tar.xz
+    mkdir -p benchmarks/runs && tar -xJf docs/runs/off_policy.tar.xz -C benchmarks/runs
+    python benchmarks/off_policy.py            # reads the 111 finished runs, prints the tables, draws the plots
+"""
+import io
+import json
+import os
+import sys
+import tarfile
+
+
+def pack(runs_dir: str, archive: str) -> int:
+    """Write `archive` (.tar.xz) with `<sweep>/<run>/metrics.jsonl` for every run folder under `runs_dir`; returns
+    the number of runs."""
+    sweep = os.path.basename(os.path.normpath(runs_dir))
+    runs = sorted(name for name in os.listdir(runs_dir)
+                  if os.path.exists(os.path.join(runs_dir, name, "metrics.jsonl")))
+    if not runs:
+        sys.exit(f"{runs_dir}: no run folder with a metrics.jsonl in it")
+    os.makedirs(os.path.dirname(os.path.abspath(archive)), exist_ok=True)
+    with tarfile.open(archive, "w:xz") as tar:
+        for name in runs:
+            records = [json.loads(line) for line in open(os.path.join(runs_dir, name, "metrics.jsonl"))]
+            text = "".join(json.dumps({k: v for k, v in r.items() if k != "eval/samples"}) + "\n" for r in records)
+            data = text.encode()
+            info = tarfile.TarInfo(f"{sweep}/{name}/metrics.jsonl")
+            info.size, info.mtime = len(data), 0  # (the same runs give the same archive)
+            tar.addfile(info, io.BytesIO(data))
+    return len(runs)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or not sys.argv[2].endswith(".tar.xz"):
+        sys.exit("usage: python benchmarks/archive_runs.py RUNS_DIR ARCHIVE.tar.xz")
+    count = pack(sys.argv[1], sys.argv[2])
+    print(f"{count} runs packed into {sys.argv[2]} ({os.path.getsize(sys.argv[2]) / 1e3:.0f} kB)")
