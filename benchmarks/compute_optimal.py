@@ -16,7 +16,8 @@ the demo's 32 training-bound. Each setting is shown to be what it claims by its 
 count in the wall clock: generation-bound runs evaluate at the same episodes, training-bound runs as many times each.
 The KL at a matched win rate (the perplexity where each curve first reaches a level) is printed beside the finals.
 The speed-up is one number per run: the wall-clock time at which its weights first reached a gold win rate of
---threshold (0.6: fixed before any run, between the SFT policy's ~0.35 and the demo's final ~0.8).
+--threshold (generation-bound, 0.6: fixed before any run, between the SFT policy's ~0.35 and the demo's final ~0.8)
+or --training_bound_threshold (0.5, fixed after the pilot that chose the training-bound learning rate).
 
   compute_optimal_generation_bound.png   gold win rate against episodes and wall-clock time; final against perplexity
   compute_optimal_training_bound.png     the same for K = 2 and K = 4, async and sync
@@ -141,21 +142,24 @@ def threshold_of(setting: str, args: Args) -> float:
 
 
 def report_matched_kl(curves: dict, rows: dict, args: Args) -> None:
-    """The KL axis (perplexity under the SFT model) where each run first reaches the same win rates: the threshold,
-    and the highest multiple of 0.05 that every run of the setting reaches (final points sit at different win
-    rates, so only a matched level shows a trade-off)."""
+    """The KL axis (perplexity under the SFT model) where each run first reaches the same win rates (final points sit
+    at different win rates, so only a matched level shows a trade-off): every multiple of 0.05 above the SFT
+    policy's win rate up to the highest that two rows reach on every seed, and the threshold."""
     for setting in dict.fromkeys(s for s, _ in rows):
         labels = [label for s, label in rows if s == setting]
-        peak = min(max(curves[setting, label, s]["win_rate"]) for label in labels for s in args.seeds)
-        threshold = threshold_of(setting, args)
-        levels = [level for level in sorted({threshold, math.floor(peak * 20) / 20}) if level <= peak]
+        peaks = {label: min(max(curves[setting, label, s]["win_rate"][1:]) for s in args.seeds) for label in labels}
+        start = max(curves[setting, label, s]["win_rate"][0] for label in labels for s in args.seeds)
+        top = sorted(peaks.values())[-2] if len(peaks) > 1 else 0.0
+        levels = sorted({threshold_of(setting, args)} | {i / 20 for i in range(21) if start + 0.05 <= i / 20 <= top})
+        levels = [level for level in levels if level <= max(peaks.values())]
         if not levels:
             continue
         print(f"\n{setting}: perplexity where the gold win rate first reaches each level (interpolated between "
-              "evaluations), mean ± s.e. over seeds\n\n| run | " + " | ".join(f"at {w:.2f}" for w in levels)
-              + " |\n|---|" + "---|" * len(levels))
+              "evaluations; -: not reached on every seed), mean ± s.e. over seeds\n\n| run | "
+              + " | ".join(f"at {w:.2f}" for w in levels) + " |\n|---|" + "---|" * len(levels))
         for label in labels:
-            cells = [fmt([at_level(curves[setting, label, s], w) for s in args.seeds], 3) for w in levels]
+            cells = [fmt([at_level(curves[setting, label, s], w) for s in args.seeds], 3) if peaks[label] >= w
+                     else "-" for w in levels]
             print(f"| {label} | " + " | ".join(cells) + " |")
 
 
@@ -202,7 +206,7 @@ if __name__ == "__main__":
     if args.k_control:
         training_bound[2:2] = [("async", 2, 2, ", halved"), ("async", 4, 1, ", full")]
     scripts = {"async": "async_dpo.py", "sync": "sync_baseline.py"}
-    for schedule, k, scale, control in training_bound[1: 2 if args.quick else None]:
+    for schedule, k, scale, control in training_bound[1:2] if args.quick else training_bound:
         episodes = args.training_bound_episodes // scale
         rows["training-bound", f"{schedule} K = {k}{control}"] = (
             scripts[schedule], args.training_bound_batch, episodes, episodes // args.training_bound_evaluations, 1,

@@ -46,8 +46,10 @@ from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stde
 import tiny_world  # noqa: E402
 
 SCRIPTS = {"dpo": ("async_dpo.py", []), "ppo": ("async_ppo.py", []), "rloo": ("async_rloo.py", []),  # (flags)
-           "bo2_sft": ("async_dpo.py", ["--loss", "best_of_k_sft"]), "copg": ("async_rloo.py", ["--loss", "copg"])}
-Algorithm = Literal["dpo", "ppo", "rloo", "bo2_sft", "copg"]
+           "bo2_sft": ("async_dpo.py", ["--loss", "best_of_k_sft"]), "copg": ("async_rloo.py", ["--loss", "copg"]),
+           "dpo_no_reference": ("benchmarks/dpo_variants.py", ["--variant", "no_reference"]),
+           "dpo_linear": ("benchmarks/dpo_variants.py", ["--variant", "linear"])}
+Algorithm = Literal["dpo", "ppo", "rloo", "bo2_sft", "copg", "dpo_no_reference", "dpo_linear"]
 FINAL_METRICS = {"gold win rate": "eval/gold_win_rate", "gold score": "eval/gold_reward",
                  "perplexity": "eval/perplexity", "proxy score": "eval/proxy_reward"}
 
@@ -56,7 +58,8 @@ FINAL_METRICS = {"gold win rate": "eval/gold_win_rate", "gold score": "eval/gold
 class Args:
     algorithms: list[Algorithm] = field(default_factory=lambda: ["dpo", "ppo", "rloo", "bo2_sft", "copg"])
     """which learning rules to sweep: async_dpo.py, async_ppo.py, async_rloo.py, and the controls Best-of-2 SFT
-    (async_dpo.py --loss best_of_k_sft) and CoPG-style RLOO (async_rloo.py --loss copg)"""
+    (async_dpo.py --loss best_of_k_sft) and CoPG-style RLOO (async_rloo.py --loss copg); also, not by default, DPO's
+    loss without its reference or without its sigmoid (benchmarks/dpo_variants.py)"""
     n_values: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     """N: mini-batches generated with one set of weights (--num_mini_batches); each must divide the episodes"""
     batch_size: int = 16
@@ -123,9 +126,17 @@ def read_run(output_dir: str) -> dict:
     evals = [r for r in records if "eval/gold_win_rate" in r]
     steps = [r for r in records if "staleness" in r]
     weights = {key: [r[key] for r in steps] for key in IS_METRICS if key in steps[0]}  # (corrected runs)
+    ties = [r["pairs/tie_fraction"] for r in steps if "pairs/tie_fraction" in r]  # (DPO and its controls)
     return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps], weights=weights,
+                ties=statistics.mean(ties) if ties else None,
                 lag=statistics.mean(r["lag/kl"] for r in steps),
                 update=statistics.mean(r["lag/update"] for r in steps), seconds=evals[-1]["time/elapsed"])
+
+
+def ties_of(seeds: list[dict]) -> str:
+    """The mean share of prompts whose completions all tied (no pair, no best: left out), over steps and seeds."""
+    ties = [r["ties"] for r in seeds if r["ties"] is not None]
+    return f"{statistics.mean(ties):.1%}" if ties else ""
 
 
 def report_corrections(table: dict, variants: list[tuple], first_n: int) -> None:
@@ -162,7 +173,8 @@ if __name__ == "__main__":
         points += [(a, max(args.n_values), "recompute") for a in args.algorithms if a in ("ppo", "rloo")]
     if args.quick:  # and the corrected variant and the two controls once
         points = [(a, n, v) for a, n, v in points if v == "plain"]
-        points += [("rloo", 2, "corrected"), ("bo2_sft", 2, "plain"), ("copg", 2, "plain")]
+        points += [("rloo", 2, "corrected"), ("bo2_sft", 2, "plain"), ("copg", 2, "plain"),
+                   ("dpo_no_reference", 2, "plain"), ("dpo_linear", 2, "plain")]
 
     # (--quick: the evaluations on 64 prompts, the first and the final)
     quick_evaluations = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"] if args.quick else []
@@ -201,8 +213,8 @@ if __name__ == "__main__":
           f"share of the rule's N = {min(args.n_values)} gain over the SFT policy's win rate, with a 95% interval "
           f"(t over seeds, the baseline's binomial error included)")
     print("\n| algorithm | N | staleness | gold win rate | gain kept | gold score | perplexity | proxy score | lag/kl "
-          "| lag/update | time |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| lag/update | ties | time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     table, lags, first_n = {}, {}, min(args.n_values)
     for algorithm, n, variant in points:
         seeds = [runs[algorithm, n, variant, s] for s in args.seeds]
@@ -217,7 +229,8 @@ if __name__ == "__main__":
                    for name, values in table[algorithm, n, variant].items()]
         print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {staleness[0]}..{staleness[-1]} | {columns[0]} | {kept} | "
               + " | ".join(columns[1:]) + f" | {fmt([r['lag'] for r in seeds], 4)} | "
-              f"{fmt([r['update'] for r in seeds], 5)} | {statistics.mean(r['seconds'] for r in seeds):.0f} s |")
+              f"{fmt([r['update'] for r in seeds], 5)} | {ties_of(seeds)} | "
+              f"{statistics.mean(r['seconds'] for r in seeds):.0f} s |")
     report_corrections(table, [(a, n, v) for a, n, v in points if v != "plain"], first_n)
     corrected = [(a, n) for a, n, v in points if v == "corrected"]
     if corrected:
@@ -235,7 +248,9 @@ if __name__ == "__main__":
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    markers, colors = {"dpo": "o", "ppo": "s", "rloo": "^", "bo2_sft": "D", "copg": "v"}, plt.cm.viridis
+    markers = {"dpo": "o", "ppo": "s", "rloo": "^", "bo2_sft": "D", "copg": "v", "dpo_no_reference": "P",
+               "dpo_linear": "X"}
+    colors = plt.cm.viridis
     fill = {"plain": "full", "recompute": "none", "corrected": "left"}
     n_color = {n: colors(i / max(len(args.n_values) - 1, 1)) for i, n in enumerate(sorted(args.n_values))}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

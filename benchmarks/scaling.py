@@ -58,8 +58,9 @@ class Args:
     plot_dir: str = HERE
     """where the two plots go"""
     runs_dir: Optional[str] = None
-    """where each run's folder goes, kept (a run already finished there is read back, not run again); default: a
-    temporary folder, deleted after"""
+    """where each run's folder goes, kept so that a figure can be recomputed and a sweep resumed (a run already
+    finished there is read back, not run again); default: benchmarks/runs/scaling (--quick: a temporary folder,
+    deleted after)"""
     quick: bool = False
     """two sizes (a quick build), N = 2, one seed, 64 episodes, a final evaluation on 64 prompts"""
 
@@ -104,7 +105,9 @@ if __name__ == "__main__":
     smallest, largest = sizes[0], sizes[-1]
     # (policy size, proxy size): every policy with the smallest proxy, every proxy with the smallest policy
     pairs = [(p, smallest) for p in sizes] + [(smallest, r) for r in sizes[1:]]
-    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="scaling_")
+    keep_runs = args.runs_dir is not None or not args.quick
+    runs_dir = args.runs_dir or (os.path.join(HERE, "runs", "scaling") if keep_runs else
+                                 tempfile.mkdtemp(prefix="scaling_"))
     num_steps = args.total_episodes // args.batch_size
     default_lr = TINY_DEFAULTS["learning_rate"]  # async_dpo.py's tiny default, the same for every size
 
@@ -131,7 +134,7 @@ if __name__ == "__main__":
                 results[smallest, smallest, n, "control"] = [run(smallest, smallest, n, s, control_lr)
                                                              for s in args.seeds]
     finally:
-        if args.runs_dir is None:
+        if not keep_runs:
             shutil.rmtree(runs_dir, ignore_errors=True)
 
     # The table: the sizes (parameters, SFT gold win rate, proxy agreement), then one row per point

@@ -32,6 +32,30 @@ def test_the_derived_figures_worked_by_hand():
     assert stats.fmt_share(None, "no loss") == "no loss" and stats.fmt_share((0.5, 0.4, 0.6)) == "50% (40% to 60%)"
 
 
+def test_dpo_variants_worked_by_hand():
+    """The two losses benchmarks/dpo_variants.py puts in DPO's place: without the reference, the sigmoid of the raw
+    log-ratio; without the sigmoid, the margin itself, whose gradient is DPO's at a zero margin twice over, at any
+    margin (it never saturates); an unknown variant is refused by name."""
+    import torch
+    import torch.nn.functional as F
+
+    from async_dpo import dpo_loss
+    from benchmarks import dpo_variants
+
+    chosen, rejected, ref = torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0])
+    assert dpo_variants.no_reference_loss(chosen, rejected, ref, ref, 0.5).item() == pytest.approx(
+        -F.logsigmoid(torch.tensor(1.0)).item())  # 0.5 * (-1 - -3)
+    assert dpo_variants.linear_loss(chosen, rejected, ref, ref, 0.5).item() == pytest.approx(-1.0)  # -0.5 * (1 + 1)
+    for margin in (0.0, 20.0):
+        x = torch.tensor([margin], requires_grad=True)
+        dpo_loss(x, torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.5).backward()
+        y = torch.tensor([margin], requires_grad=True)
+        dpo_variants.linear_loss(y, torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.5).backward()
+        assert y.grad.item() == pytest.approx(-0.5) and abs(x.grad.item()) <= 0.25  # DPO's: 0.25 at 0, ~0 at 20
+    with pytest.raises(SystemExit, match="--variant sigmoid: unknown"):
+        dpo_variants.pop_variant(["script", "--variant", "sigmoid"])
+
+
 def test_the_size_statistic_worked_by_hand(capsys):
     """scaling.py's statistic fixed before the runs, on made-up finals: d = win(N = 64) - win(N = 1) per seed for each
     size, its gain kept over the size's own SFT, and d_large - d_small with its t (Welch, 2 df)."""
@@ -168,10 +192,15 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     assert [row.split(" | ")[1:3] for row in rows] == [["1", "0..1"], ["2", "0..3"]], result.stdout
     assert "| rloo (recompute + truncated IS) | 2 | 0..3 |" in result.stdout  # the off-policy correction
     assert "rloo N = 2: w from " in result.stdout  # and the weights it applied, summarised
-    for control in ("bo2_sft", "copg"):  # the paper's two controls, with the lag each run measured
+    # the paper's two controls and DPO's two variants (benchmarks/dpo_variants.py), with the lag each run measured
+    # and, for DPO's family, the share of tied prompts left out
+    for control in ("bo2_sft", "copg", "dpo_no_reference", "dpo_linear"):
         row = next(line for line in result.stdout.splitlines() if line.startswith(f"| {control} | 2 |"))
-        lag_kl, update = (float(cell.split(" ± ")[0]) for cell in row.split(" | ")[7:9])
+        lag_kl, update = (float(cell.split(" ± ")[0]) for cell in row.split(" | ")[8:10])
         assert lag_kl > 0 and update > 0, row
+        assert row.split(" | ")[10].endswith("%") == (control != "copg"), row
+    kept = rows[1].split(" | ")[4]  # N = 2's share of N = 1's gain over the SFT policy (scored on the same prompts)
+    assert kept.endswith("%") or kept == "no gain", rows[1]
     corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
     assert len(corrected) == 128 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
     for name in ("off_policy_frontier.png", "off_policy_by_n.png", "off_policy_by_lag.png"):
