@@ -193,14 +193,15 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: fl
 
 
 def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gold, progress,
-               quick: bool = False) -> tuple:
+               quick: bool = False, band: tuple = SFT_WIN_RATE_RANGE) -> tuple:
     """The SFT recipe: the first seed whose greedy summaries end (EOS) and beat the references 17-43% of the time
     under the gold model. At this size the win rate swings between 0.1 and 0.85 with the seed alone, and with the
     step (one seed: 0.79, 0.59, 0.33, 0.55 at steps 80, 85, 90, 95); most runs land above the range, about one seed
     in ten at 90 steps lands in it. So at most SFT_SEEDS seeds train SFT_STEPS steps each (a few seconds a seed); if
     none lands, the snapshots taken on the way (SFT_SNAPSHOTS steps, about one in four lands) are scored in turn, and
     the closest of everything scored is the last resort. No seed is trained twice. `quick`: one seed, 20 steps, no
-    snapshots. Returns the policy and what the world's report says of it."""
+    snapshots. `band`: the gold win rates that land (build_sized asks a narrower one). Returns the policy and what
+    the world's report says of it."""
     from transformers import GPTNeoXForCausalLM
 
     eos = tokenizer.eos_token_id
@@ -220,7 +221,7 @@ def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gol
                 sum(g[-1:] == [eos] for g in greedy) / len(greedy))
 
     def good(quality: tuple) -> bool:
-        return SFT_WIN_RATE_RANGE[0] <= quality[0] <= SFT_WIN_RATE_RANGE[1] and quality[2] >= 0.98
+        return band[0] <= quality[0] <= band[1] and quality[2] >= 0.98
 
     def try_sft(seed: int, steps: int, policy) -> bool:
         tried[seed, steps] = sft_quality(policy)
@@ -255,7 +256,7 @@ def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gol
             if try_sft(*chosen, policy):
                 break
         else:  # nothing landed: the closest of everything scored
-            chosen = min(tried, key=lambda k: (tried[k][2] < 0.98, abs(tried[k][0] - sum(SFT_WIN_RATE_RANGE) / 2)))
+            chosen = min(tried, key=lambda k: (tried[k][2] < 0.98, abs(tried[k][0] - sum(band) / 2)))
             policy = last[chosen[0]] if chosen[1] == sft_steps else from_snapshot(chosen)
     snapshots.clear()
     return policy, dict(sft_seed=chosen[0], sft_steps=chosen[1], sft_gold_win_rate=tried[chosen][0],
@@ -585,25 +586,32 @@ def build_tldr_here(tiny_dir: str, quick: str = "0") -> None:
 # own policy; the sizes span ~20x in parameters (0.18M, 0.55M, 3.47M with the world's 598 tokens).
 SIZES = {"small": (64, 2, 2), "base": (128, 2, 4), "large": (256, 4, 4)}
 SIZED_PROXY_STEPS = 200  # every proxy the same steps on the same pairs (no early stop: sizes differ only in size)
+SIZED_SFT_BAND = (0.29, 0.37)  # every size's SFT gold win rate: around the world's policy's 0.328, +-2 binomial s.e.
+SIZED_RECIPE = 2  # 2: SFT policies in one band, proxies trained on every size's samples (1: the base's only)
 
 
 def build_sized(sized_dir: str, base_dir: str = SHIPPED["tldr"], quick: bool = False) -> dict:
-    """Beside the TL;DR world in `base_dir` (checked, and left as it is), an SFT policy of each of
-    SIZES fine-tuned by the world's recipe (choose_sft; "base" is the world's own) and a proxy reward model of each
-    size, all trained on the same gold-labelled pairs from their size's SFT weights. The judge, the gold reward
-    model, the data and the tokenizer are the world's. `quick` (for CI): the two smaller sizes, the proxies' pairs
-    from 500 posts and 40 steps.
+    """Beside the TL;DR world in `base_dir` (checked, and left as it is), an SFT policy of each of SIZES and a proxy
+    reward model of each size, so that sizes differ in size and little else: every SFT policy is chosen by the
+    world's recipe (choose_sft) in one narrow band of gold win rate, SIZED_SFT_BAND ("base" is the world's own,
+    inside it); every proxy starts from its size's SFT weights and trains on the same gold-labelled pairs, drawn
+    from every size's samples in equal shares (so no proxy knows one policy's summaries better than another's). The
+    judge, the gold reward model, the data and the tokenizer are the world's. `quick` (for CI): the two smaller
+    sizes, the proxies' pairs from 500 posts and 40 steps.
     Returns {"policy": {size: folder}, "proxy": {size: folder}, "base": base_dir, "sizes": {size: report}}: each
-    model's parameters, each policy's SFT gold win rate and each proxy's agreement with gold (world.json's)."""
+    model's parameters, each policy's SFT gold win rate and each proxy's agreement with gold on held-out summaries
+    of every size's samples, and of each size's own (world.json's)."""
     base_dir, sized_dir = os.path.expanduser(base_dir), os.path.expanduser(sized_dir)
     base_hash = check_world(base_dir, "tldr")
     if not os.path.exists(os.path.join(sized_dir, "world.json")):
         build_in_own_process("sized", sized_dir, base_dir, str(int(quick)))
     report = json.load(open(os.path.join(sized_dir, "world.json")))
-    if report.get("base_hash") != base_hash:  # (built beside another world, or before worlds had a hash)
-        from plumbing.core import fail
+    from plumbing.core import fail
 
+    if report.get("base_hash") != base_hash:  # (built beside another world, or before worlds had a hash)
         fail(f"{sized_dir} was built beside another TL;DR world than {base_dir}: delete it to build it again")
+    if report.get("recipe") != SIZED_RECIPE:
+        fail(f"{sized_dir} was built by an earlier recipe of build_sized: delete it to build it again")
     sizes = report["sizes"]
     return {"policy": {size: os.path.join(sized_dir, f"policy-{size}") for size in sizes},
             "proxy": {size: os.path.join(sized_dir, f"proxy-{size}") for size in sizes}, "base": base_dir,
@@ -624,39 +632,51 @@ def build_sized_here(sized_dir: str, base_dir: str, quick: str) -> None:
               for split in ("train", "validation")}
     train, validation = splits["train"], splits["validation"]
     gold = AutoModelForSequenceClassification.from_pretrained(os.path.join(base_dir, "gold")).eval()
-    base_policy = AutoModelForCausalLM.from_pretrained(os.path.join(base_dir, "sft")).eval()
-    eos, models = tokenizer.eos_token_id, {}
+    world = json.load(open(os.path.join(base_dir, "world.json")))
+    eos, configs, policies, models = tokenizer.eos_token_id, {}, {}, {}
+    for size, (hidden, layers, heads) in sizes.items():  # 1. the SFT policies, in one band of gold win rate
+        configs[size] = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                                      num_attention_heads=heads, intermediate_size=4 * hidden,
+                                      max_position_embeddings=512, bos_token_id=eos, eos_token_id=eos, num_labels=1)
+        if size == "base":  # the world's own policy (its recipe's outcome at this size)
+            policies[size] = AutoModelForCausalLM.from_pretrained(os.path.join(base_dir, "sft")).eval()
+            sft_report = {k: world[k] for k in ("sft_seed", "sft_steps", "sft_gold_win_rate")}
+        else:
+            policies[size], sft_report = choose_sft(configs[size], tokenizer, train, validation, gold, progress,
+                                                    band=SIZED_SFT_BAND)
+        report["sizes"][size] = dict(hidden_size=hidden, layers=layers,
+                                     parameters=sum(p.numel() for p in policies[size].parameters()),
+                                     **{k: sft_report[k] for k in ("sft_seed", "sft_steps", "sft_gold_win_rate")})
+        progress(f"{size} ({hidden} wide, {layers} layers): SFT gold win rate {sft_report['sft_gold_win_rate']:.2f}")
     with deterministic(2) as rng:
-        # The pairs every proxy trains on: candidates of 2,000 posts (the world's SFT samples among them), labelled
-        # by the gold model, as the world's proxy's; held-out sets for the agreement and the normalisation
-        pairs = [(prompt, rng.sample(completions, 2)) for prompt, completions in
-                 candidate_sets(rng, base_policy, tokenizer, train[2000:2500 if quick else 4000]) for _ in range(3)]
-        pairs = [(prompt, pair, scores.tolist()) for (prompt, pair), scores in
-                 zip(pairs, score_sets(gold, pairs, eos))]
-        held_out = held_out_sets(base_policy, tokenizer, validation[:256])
-        gold_scored = score_sets(gold, held_out, eos)
-        progress("gold-labelled pairs")
-        for size, (hidden, layers, heads) in sizes.items():
-            config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                                   num_attention_heads=heads, intermediate_size=4 * hidden,
-                                   max_position_embeddings=512, bos_token_id=eos, eos_token_id=eos, num_labels=1)
-            if size == "base":  # the world's own policy (its recipe's outcome at this size)
-                world = json.load(open(os.path.join(base_dir, "world.json")))
-                policy, sft_report = base_policy, {k: world[k] for k in ("sft_seed", "sft_steps", "sft_gold_win_rate")}
-            else:
-                policy, sft_report = choose_sft(config, tokenizer, train, validation, gold, progress)
-            proxy, _ = train_reward_model(config, policy.state_dict(), pairs, steps=40 if quick else SIZED_PROXY_STEPS,
-                                          per_step=64, lr=1e-3, seed=2, dense=False)
-            normalise(proxy, held_out, eos)
-            models[f"policy-{size}"], models[f"proxy-{size}"] = policy, proxy
-            report["sizes"][size] = dict(
-                hidden_size=hidden, layers=layers, parameters=sum(p.numel() for p in policy.parameters()),
-                proxy_gold_agreement=agreement(score_sets(proxy, held_out, eos), gold_scored),
-                **{k: sft_report[k] for k in ("sft_seed", "sft_steps", "sft_gold_win_rate")})
-            progress(f"{size} ({hidden} wide, {layers} layers): SFT gold win rate "
-                     f"{report['sizes'][size]['sft_gold_win_rate']:.2f}, proxy agrees with gold "
-                     f"{report['sizes'][size]['proxy_gold_agreement']:.2f}")
-    report.update(base=base_dir, base_hash=file_hash(os.path.join(base_dir, CHECKSUMS)), quick=quick)
+        # 2. The pairs every proxy trains on: candidates of 2,000 posts, each size's SFT samples on its own share of
+        # them, labelled by the gold model; held-out sets of every size's samples for agreement and normalisation
+        posts = train[2000:2500 if quick else 4000]
+        share = len(posts) // len(sizes)
+        sets = [s for i, policy in enumerate(policies.values())
+                for s in candidate_sets(rng, policy, tokenizer, posts[i * share: (i + 1) * share])]
+        pairs = [(prompt, rng.sample(completions, 2)) for prompt, completions in sets for _ in range(3)]
+        gold_pairs = score_sets(gold, pairs, eos)
+        pairs = [(prompt, pair, scores.tolist()) for (prompt, pair), scores in zip(pairs, gold_pairs)]
+        held_out = {size: held_out_sets(policy, tokenizer, validation[:256]) for size, policy in policies.items()}
+        gold_scored = {size: score_sets(gold, sets_, eos) for size, sets_ in held_out.items()}
+        every = [s for sets_ in held_out.values() for s in sets_]
+        progress(f"gold-labelled pairs from {len(sizes)} sizes' samples")
+        for size in sizes:  # 3. a proxy of each size on the same pairs
+            proxy, _ = train_reward_model(configs[size], policies[size].state_dict(), pairs,
+                                          steps=40 if quick else SIZED_PROXY_STEPS, per_step=64, lr=1e-3, seed=2,
+                                          dense=False)
+            normalise(proxy, every, eos)
+            models[f"policy-{size}"], models[f"proxy-{size}"] = policies[size], proxy
+            on_each = {own: agreement(score_sets(proxy, held_out[own], eos), gold_scored[own]) for own in sizes}
+            report["sizes"][size].update(
+                proxy_gold_agreement=agreement(score_sets(proxy, every, eos), [g for own in sizes
+                                                                               for g in gold_scored[own]]),
+                proxy_gold_agreement_on=on_each)
+            progress(f"proxy {size}: agrees with gold on " + ", ".join(
+                f"{own}'s samples {value:.2f}" for own, value in on_each.items()))
+    report.update(base=base_dir, base_hash=file_hash(os.path.join(base_dir, CHECKSUMS)), quick=quick,
+                  recipe=SIZED_RECIPE)
     save_world(sized_dir, {}, models, tokenizer, report)
     progress(f"saved in {sized_dir}")
 

@@ -1,18 +1,24 @@
 """Pack a sweep's run folders into one small archive that the repository can keep, so that every figure a sweep
 printed (and any computed after it) can be recomputed from the runs themselves, without running them again.
 
-Each run keeps its metrics.jsonl, less the few sample summaries each evaluation prints (`eval/samples`); a sweep
-script pointed at the unpacked folder reads every finished run back instead of running it:
+Each run keeps its metrics.jsonl, less the few sample summaries each evaluation prints (`eval/samples`) and with
+floats to 9 significant digits; a sweep script pointed at the unpacked folder reads every finished run back instead
+of running it:
 
     python benchmarks/archive_runs.py benchmarks/runs/off_policy docs/runs/off_policy.tar.xz
     mkdir -p benchmarks/runs && tar -xJf docs/runs/off_policy.tar.xz -C benchmarks/runs
-    python benchmarks/off_policy.py            # reads the 111 finished runs, prints the tables, draws the plots
+    python benchmarks/off_policy.py --algorithms dpo ppo rloo   # reads the 81 runs back: the tables, the plots
 """
 import io
 import json
 import os
 import sys
 import tarfile
+
+
+def short(value):
+    """A float to 9 significant digits (the figures print 3 to 5; float64's 17 would triple the archive)."""
+    return float(f"{value:.9g}") if isinstance(value, float) else value
 
 
 def pack(runs_dir: str, archive: str) -> int:
@@ -27,7 +33,8 @@ def pack(runs_dir: str, archive: str) -> int:
     with tarfile.open(archive, "w:xz") as tar:
         for name in runs:
             records = [json.loads(line) for line in open(os.path.join(runs_dir, name, "metrics.jsonl"))]
-            text = "".join(json.dumps({k: v for k, v in r.items() if k != "eval/samples"}) + "\n" for r in records)
+            text = "".join(json.dumps({k: short(v) for k, v in r.items() if k != "eval/samples"}) + "\n"
+                           for r in records)
             data = text.encode()
             info = tarfile.TarInfo(f"{sweep}/{name}/metrics.jsonl")
             info.size, info.mtime = len(data), 0  # (the same runs give the same archive)

@@ -31,7 +31,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -40,7 +39,7 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
-from off_policy import train  # noqa: E402
+from off_policy import sweep_folder, train  # noqa: E402
 from stats import fmt, gap, mean_and_stderr  # noqa: E402
 
 import tiny_world  # noqa: E402
@@ -216,9 +215,7 @@ if __name__ == "__main__":
             sys.exit(f"the episodes ({episodes}) and the evaluation interval ({eval_every}) must be multiples of the "
                      f"batch ({batch})")
 
-    keep_runs = args.runs_dir is not None or not args.quick
-    runs_dir = args.runs_dir or (os.path.join(HERE, "runs", "compute_optimal") if keep_runs else
-                                 tempfile.mkdtemp(prefix="compute_optimal_"))
+    runs_dir, keep_runs = sweep_folder(args.runs_dir, "compute_optimal", args.quick)
     curves, sweep_start = {}, time.time()
     try:
         for index, ((setting, label), (script, batch, episodes, eval_every, t, k, row_lr)) in enumerate(rows.items()):

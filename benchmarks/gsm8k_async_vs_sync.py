@@ -10,10 +10,9 @@ speed-up of async over sync; saves the plot of pass@1 against wall-clock time (t
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
+from off_policy import sweep_folder  # noqa: E402
 from stats import fmt, gap  # noqa: E402
 
 import tiny_world  # noqa: E402
@@ -37,7 +37,9 @@ class Args:
     tiny_dir: str = tiny_world.SHIPPED["gsm8k"]
     """the GSM8k miniature (the shipped one)"""
     runs_dir: Optional[str] = None
-    """keep each run's folder here, `{runs_dir}/{schedule}{seed}` (default: temporary folders, removed afterwards)"""
+    """where each run's folder goes, `{runs_dir}/{schedule}{seed}`, kept so that a figure can be recomputed and the
+    benchmark resumed (a finished run is read back, not run again); default: benchmarks/runs/gsm8k_async_vs_sync
+    (--quick: a temporary folder, deleted after)"""
     plot_path: str = os.path.join(HERE, "gsm8k_async_vs_sync.png")
     """where the plot of pass@1 against wall-clock time goes"""
     quick: bool = False
@@ -45,29 +47,36 @@ class Args:
 
 
 def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
-    flags = ["--total_episodes", "160", "--eval_every", "2", "--num_eval_prompts", "40",
-             "--num_final_eval_prompts", "40"] if args.quick else []
-    start = time.time()
-    subprocess.run([sys.executable, os.path.join(REPO, "gsm8k_async_dpo.py"), "--model", "tiny", "--tiny_dir",
-                    args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, *(["--sync"] if sync else []),
-                    *flags], check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    """One run (or, finished before in `output_dir`, read back): its evaluations, training seconds and staleness."""
+    metrics_path = os.path.join(output_dir, "metrics.jsonl")
+    records = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
     steps = [r for r in records if "loss/dpo" in r]
+    if not (steps and "eval/pass_at_1" in records[-1] and records[-1]["step"] == steps[-1]["step"]):
+        print(f"seed {seed}: {'sync' if sync else 'async'} ...", flush=True)
+        flags = ["--total_episodes", "160", "--eval_every", "2", "--num_eval_prompts", "40",
+                 "--num_final_eval_prompts", "40"] if args.quick else []
+        shutil.rmtree(output_dir, ignore_errors=True)
+        subprocess.run([sys.executable, os.path.join(REPO, "gsm8k_async_dpo.py"), "--model", "tiny", "--tiny_dir",
+                        args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, *(["--sync"] if sync else []),
+                        *flags], check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        records = [json.loads(line) for line in open(metrics_path)]
+        steps = [r for r in records if "loss/dpo" in r]
     return dict(evals=[r for r in records if "eval/pass_at_1" in r], train_seconds=steps[-1]["time/elapsed"],
-                process_seconds=time.time() - start, staleness=sorted({r["staleness"] for r in steps}))
+                staleness=sorted({r["staleness"] for r in steps}))
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.quick:
         args.seeds = args.seeds[:1]
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    runs, (runs_dir, keep_runs) = {}, sweep_folder(args.runs_dir, "gsm8k_async_vs_sync", args.quick)
+    try:
         for seed in args.seeds:
             for schedule in ("async", "sync"):
-                print(f"seed {seed}: {schedule} ...", flush=True)
-                folder = os.path.join(args.runs_dir or tmp, f"{schedule}{seed}")
-                runs[schedule, seed] = run(args, seed, schedule == "sync", folder)
+                runs[schedule, seed] = run(args, seed, schedule == "sync", os.path.join(runs_dir, f"{schedule}{seed}"))
+    finally:
+        if not keep_runs:
+            shutil.rmtree(runs_dir, ignore_errors=True)
 
     print("\nPer run (± the binomial standard error of one evaluation):")
     print("| schedule | seed | split | pass@1 before | pass@1 after | training time | staleness |")

@@ -23,6 +23,8 @@ saves three plots:
 
     python benchmarks/off_policy.py            # 5 learning rules x N in {1, ..., 64} x 3 seeds: hours on 2 cores
     python benchmarks/off_policy.py --quick    # DPO at N in {1, 2}, the rest at N = 2: one seed, for CI
+    python benchmarks/off_policy.py --algorithms dpo bo2_sft dpo_no_reference dpo_linear --n_values 1 16 64 \
+        --correction_n_values --no-recompute_at_largest_n   # why DPO tolerates stale data
 """
 import json
 import math
@@ -41,7 +43,7 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
-from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stderr, recovered  # noqa: E402
+from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stderr, recovered, unpaired_gap  # noqa: E402
 
 import tiny_world  # noqa: E402
 
@@ -85,8 +87,8 @@ class Args:
     sweep resumed (a run already finished there is read back, not run again); default: benchmarks/runs/off_policy
     (--quick: a temporary folder, deleted after)"""
     quick: bool = False
-    """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT and CoPG at N = 2; one seed, 128 episodes,
-    evaluations on 64 prompts: checks that the benchmark works, measures nothing"""
+    """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT, CoPG and DPO without its sigmoid at N = 2; one
+    seed, 128 episodes, evaluations on 64 prompts: checks that the benchmark works, measures nothing"""
 
 
 IS_METRICS = ("is/weight_min", "is/weight_max", "is/ess_fraction", "is/changed_fraction")
@@ -95,6 +97,13 @@ VARIANTS = {  # name: (flags, label in the table)
     "recompute": (["--recompute_old_logprobs"], " (recompute pi_old)"),
     "corrected": (["--recompute_old_logprobs", "--is_correction", "truncate"], " (recompute + truncated IS)"),
 }
+
+
+def sweep_folder(runs_dir: Optional[str], sweep: str, quick: bool) -> tuple[str, bool]:
+    """Where a sweep's run folders go, and whether they are kept: --runs_dir, else benchmarks/runs/<sweep> (kept, so
+    that a figure can be recomputed and a sweep resumed), or with --quick a temporary folder, deleted after."""
+    keep = runs_dir is not None or not quick
+    return runs_dir or (os.path.join(HERE, "runs", sweep) if keep else tempfile.mkdtemp(prefix=f"{sweep}_")), keep
 
 
 def finished(metrics_path: str, num_steps: int) -> bool:
@@ -139,6 +148,24 @@ def ties_of(seeds: list[dict]) -> str:
     return f"{statistics.mean(ties):.1%}" if ties else ""
 
 
+def report_drops(table: dict, first_n: int, last_n: int) -> None:
+    """The loss from N = first_n to N = last_n in gold win rate, per rule (paired by seed), and each rule's against
+    the first rule's (Welch): a gain kept divides by a noisy N = 1 gain, the drop itself does not."""
+    rules = [(a, v) for a, n, v in table if n == last_n and (a, first_n, "plain") in table]
+    if not rules or first_n == last_n:
+        return
+    drops = {rule: [x - y for x, y in zip(table[rule[0], last_n, rule[1]]["gold win rate"],
+                                          table[rule[0], first_n, "plain"]["gold win rate"])] for rule in rules}
+    first = rules[0]
+    print(f"\nThe drop in gold win rate from N = {first_n} to N = {last_n} (paired by seed), and each rule's drop "
+          f"against {first[0]}'s (Welch):\n\n| rule | drop | against {first[0]} |\n|---|---|---|")
+    for (algorithm, variant), drop in drops.items():
+        base = table[algorithm, first_n, "plain"]["gold win rate"]
+        against = "" if (algorithm, variant) == first else unpaired_gap(drop, drops[first])["text"]
+        drop_text = gap(table[algorithm, last_n, variant]["gold win rate"], base)["text"]
+        print(f"| {algorithm}{VARIANTS[variant][1]} | {drop_text} | {against} |")
+
+
 def report_corrections(table: dict, variants: list[tuple], first_n: int) -> None:
     """Each corrected (or pi_old-only) point against the uncorrected run at the same N, paired by seed, and the share
     of the loss from N = first_n to that N that it wins back, with its 95% interval."""
@@ -173,16 +200,13 @@ if __name__ == "__main__":
         points += [(a, max(args.n_values), "recompute") for a in args.algorithms if a in ("ppo", "rloo")]
     if args.quick:  # and the corrected variant and the two controls once
         points = [(a, n, v) for a, n, v in points if v == "plain"]
-        points += [("rloo", 2, "corrected"), ("bo2_sft", 2, "plain"), ("copg", 2, "plain"),
-                   ("dpo_no_reference", 2, "plain"), ("dpo_linear", 2, "plain")]
+        points += [("rloo", 2, "corrected"), ("bo2_sft", 2, "plain"), ("copg", 2, "plain"), ("dpo_linear", 2, "plain")]
 
     # (--quick: the evaluations on 64 prompts, the first and the final)
     quick_evaluations = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"] if args.quick else []
     lr_flags = [] if args.learning_rate is None else ["--learning_rate", str(args.learning_rate)]
     lr_suffix = "" if args.learning_rate is None else f"_lr{args.learning_rate:g}"
-    keep_runs = args.runs_dir is not None or not args.quick
-    runs_dir = args.runs_dir or (os.path.join(HERE, "runs", "off_policy") if keep_runs else
-                                 tempfile.mkdtemp(prefix="off_policy_"))
+    runs_dir, keep_runs = sweep_folder(args.runs_dir, "off_policy", args.quick)
     runs, sweep_start = {}, time.time()
     try:
         for index, (algorithm, n, variant) in enumerate(points):
@@ -231,6 +255,7 @@ if __name__ == "__main__":
               + " | ".join(columns[1:]) + f" | {fmt([r['lag'] for r in seeds], 4)} | "
               f"{fmt([r['update'] for r in seeds], 5)} | {ties_of(seeds)} | "
               f"{statistics.mean(r['seconds'] for r in seeds):.0f} s |")
+    report_drops(table, first_n, max(args.n_values))
     report_corrections(table, [(a, n, v) for a, n, v in points if v != "plain"], first_n)
     corrected = [(a, n) for a, n, v in points if v == "corrected"]
     if corrected:

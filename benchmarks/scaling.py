@@ -1,28 +1,38 @@
-"""Does a larger policy tolerate stale data better? The paper's Figure 5 on the tiny world, and its hypothesis tested.
+"""Does a larger policy tolerate stale data better? The paper's Figure 5 on the tiny world, decided by a statistic
+fixed before the runs.
 
 The paper runs Online DPO at N in {1, ..., 64} with policies and reward models of several sizes: with the reward model
-fixed at the smallest, larger policies' off-policy points cluster near the on-policy optimum; with the policy fixed at
-the smallest, larger reward models lower the KL but do not tighten the cluster. It suggests, without testing it, that
-a larger policy moves less per step, so the same N is less off-policy. Here `tiny_world.build_sized` gives policies
-and proxy reward models of three sizes (0.18M, 0.55M and 3.47M parameters) beside the tiny world, and this sweep runs
-async_dpo.py (the off-policy sweep's settings: 16 prompts a step, 2,048 episodes, the tiny defaults, nothing tuned per
-size) at each N for each policy size with the smallest proxy and for each proxy size with the smallest policy, three
-seeds each. Every step logs how far the policy has moved since the weights that sampled its batch (`lag/kl`) and the
-relative size of the step (`lag/update`); the table gives their means beside the final gold win rate. The control
-for the hypothesis: the smallest policy with its learning rate scaled so that its mean `lag/update` at the smallest N
-matches the largest policy's, at every N.
+fixed at the smallest, larger policies' off-policy points cluster near the on-policy optimum; with the policy fixed,
+larger reward models lower the KL but do not tighten the cluster. It suggests, without testing it, that a larger
+policy moves less per step, so the same N is less off-policy. `tiny_world.build_sized` gives policies and proxy
+reward models of three sizes (0.18M, 0.55M and 3.47M parameters) beside the tiny world, the SFT policies chosen in one
+narrow band of gold win rate and every proxy trained on every size's samples. This sweep runs async_dpo.py (16
+prompts a step, the tiny defaults but the learning rate) for each policy size:
 
-  scaling_frontier.png   final gold win rate against perplexity, one panel per sweep, colour = N
-  scaling_by_lag.png     final gold win rate against the run's mean lag/kl, every size, sweep and the control
+  1. tuning: N = 1 at each learning rate of --lr_grid, in each reward arm; the best final gold win rate (mean over
+     seeds) is the size's learning rate in that arm;
+  2. the sizes at every N with their tuned learning rates, in two reward arms: the gold reward model itself (no proxy
+     to over-optimise) and one proxy (--proxy_size, the paper's smallest) trained on every size's samples;
+  3. lag-matched (proxy arm): each size's learning rate rescaled so that its mean lag/kl at N = 16 is the middle
+     size's (the lag grows as the square of the step: lr x sqrt(target / lag)), at every N;
+  4. the reward-model panel: the middle policy (for which every proxy's pairs hold its own samples) with each proxy
+     size at every N, at its tuned proxy-arm learning rate.
 
-    python benchmarks/scaling.py            # 3 policy sizes + 2 more proxies + the control, x 4 N x 3 seeds
-    python benchmarks/scaling.py --quick    # two sizes, N = 2, one seed, short runs: checks that it works, for CI
+Every step logs the lag (`lag/kl`, `lag/update`). The statistic, per size, arm and seed: d = gold win rate at the
+largest N - at N = 1 (paired by seed); the verdict rule (d_largest - d_smallest past the t threshold, Welch, in both
+reward arms) is in docs/results.md, written before the runs.
+
+  scaling_by_n.png     final gold win rate against N, one panel per arm, a line per size
+  scaling_by_lag.png   final gold win rate against the run's mean lag/kl, every point
+
+    python benchmarks/scaling.py            # 3 sizes x (2 arms x 3 lrs at N = 1 + N = 16, 64 + lag-matched) x 3 seeds
+    python benchmarks/scaling.py --quick    # two sizes, the gold arm, N in {1, 2}, one seed, short runs: for CI
 """
+import math
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,30 +41,37 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
-from off_policy import train  # noqa: E402
+from off_policy import sweep_folder, train  # noqa: E402
 from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stderr, unpaired_gap  # noqa: E402
 
 import tiny_world  # noqa: E402
-from async_dpo import TINY_DEFAULTS  # noqa: E402
 
 
 @dataclass
 class Args:
-    n_values: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
-    """N: mini-batches generated with one set of weights (--num_mini_batches)"""
+    n_values: list[int] = field(default_factory=lambda: [1, 16, 64])
+    """N: mini-batches generated with one set of weights (--num_mini_batches); the first must be 1 (the tuning's)"""
+    lr_grid: list[float] = field(default_factory=lambda: [3e-5, 1e-4, 3e-4])
+    """learning rates tried at N = 1 for every size and reward arm (the tiny default, 1e-4, in the middle)"""
+    rewards: list[str] = field(default_factory=lambda: ["gold", "proxy"])
+    """reward arms: `gold` (the world's gold reward model as the reward) and `proxy` (--proxy_size's proxy)"""
+    proxy_size: str = "small"
+    """the proxy arm's reward model: the paper fixes the smallest"""
+    lag_matched: bool = True
+    """also the lag-matched arm (proxy): learning rates set so that lag/kl at N = 16 is equal across sizes"""
+    reward_model_panel: bool = True
+    """also the middle policy with each proxy size (the paper's right panel)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds per point"""
     batch_size: int = 16
     """prompts per optimizer step (benchmarks/off_policy.py's)"""
     total_episodes: int = 2048
     """training prompts per run (benchmarks/off_policy.py's)"""
-    lr_control: bool = True
-    """also run the smallest policy with its learning rate scaled to the largest policy's step size"""
     tiny_dir: str = tiny_world.SHIPPED["tldr"]
     """the tiny world the sizes are built beside (the shipped one)"""
     sized_dir: Optional[str] = None
     """the policies and proxies of several sizes, built there if missing (default: ~/.cache/async-rlhf/
-    tldr-v3-sized, and with --quick tldr-v3-sized-quick: two sizes, quickly trained)"""
+    tldr-v3-sized-v2, and with --quick tldr-v3-sized-v2-quick: two sizes, quickly trained)"""
     plot_dir: str = HERE
     """where the two plots go"""
     runs_dir: Optional[str] = None
@@ -62,98 +79,140 @@ class Args:
     finished there is read back, not run again); default: benchmarks/runs/scaling (--quick: a temporary folder,
     deleted after)"""
     quick: bool = False
-    """two sizes (a quick build), N = 2, one seed, 64 episodes, a final evaluation on 64 prompts"""
+    """two sizes (a quick build), the gold arm only, N in {1, 2}, one learning rate, one seed, 64 episodes, a final
+    evaluation on 64 prompts"""
+
+
+def lag_matched_lr(lr: float, lag: float, target_lag: float) -> float:
+    """The learning rate that moves a policy whose mean lag/kl is `lag` at `lr` to `target_lag`: for small steps
+    the KL between two nearby policies grows as the square of the step, so the step scales as sqrt(target / lag)."""
+    if lag <= 0 or target_lag <= 0:
+        raise ValueError(f"a lag must be positive to match it (got {lag} and {target_lag})")
+    return lr * math.sqrt(target_lag / lag)
 
 
 def report_size_statistic(results: dict, smallest: str, largest: str) -> None:
     """The statistic fixed before the runs: per seed, d = gold win rate at the largest N - at the smallest N (paired by
-    seed), for every policy, proxy and learning rate; each point's gain kept over its own SFT policy (scored on the
-    same prompts, with an interval that counts that baseline's error); and d_largest - d_smallest (Welch)."""
+    seed), for every policy, reward and arm; each point's gain kept over its own SFT policy (scored on the same
+    prompts, with an interval that counts that baseline's error); and d_largest - d_smallest (Welch) in each arm."""
     n_values = sorted({n for _, _, n, _ in results})
     if len(n_values) < 2:
         return
     first, last = n_values[0], n_values[-1]
     finals = {key: [r["final"]["eval/gold_win_rate"] for r in rows] for key, rows in results.items()}
     print(f"\nd = gold win rate at N = {last} - at N = {first}, paired by seed; gain kept at N = {last} over the "
-          "policy's own SFT (step 0, the same prompts), 95% interval\n\n| policy | proxy | lr | d | gain kept |\n"
+          "policy's own SFT (step 0, the same prompts), 95% interval\n\n| policy | reward | arm | d | gain kept |\n"
           "|---|---|---|---|---|")
     d = {}
-    for policy, proxy, n, kind in results:
-        if n != last or (policy, proxy, first, kind) not in results:
+    for policy, reward, n, arm in results:
+        if n != last or (policy, reward, first, arm) not in results:
             continue
-        at_last, at_first = finals[policy, proxy, last, kind], finals[policy, proxy, first, kind]
-        d[policy, proxy, kind] = [a - b for a, b in zip(at_last, at_first)]
-        sft = [r["sft"] for r in results[policy, proxy, first, kind]]
+        at_last, at_first = finals[policy, reward, last, arm], finals[policy, reward, first, arm]
+        d[policy, reward, arm] = [a - b for a, b in zip(at_last, at_first)]
+        sft = [r["sft"] for r in results[policy, reward, first, arm]]
         baseline = statistics.mean(e["eval/gold_win_rate"] for e in sft)
         kept = gain_kept(at_last, at_first, baseline, binomial_stderr(baseline, sft[0]["eval/num_prompts"]))
-        print(f"| {policy} | {proxy} | {kind} | {gap(at_last, at_first)['text']} | {fmt_share(kept)} |")
-    if (largest, smallest, "default") in d and (smallest, smallest, "default") in d:
-        print(f"\nd_{largest} - d_{smallest} (proxy {smallest}, default lr; the hypothesis predicts > 0): "
-              f"{unpaired_gap(d[largest, smallest, 'default'], d[smallest, smallest, 'default'])['text']}")
+        print(f"| {policy} | {reward} | {arm} | {gap(at_last, at_first)['text']} | {fmt_share(kept)} |")
+    for reward, arm in dict.fromkeys((reward, arm) for _, reward, arm in d):
+        if (largest, reward, arm) in d and (smallest, reward, arm) in d:
+            print(f"\nd_{largest} - d_{smallest} ({reward}, {arm}; the hypothesis predicts > 0): "
+                  f"{unpaired_gap(d[largest, reward, arm], d[smallest, reward, arm])['text']}")
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     extra = []
     if args.quick:
-        args.n_values, args.seeds, args.total_episodes = [2], args.seeds[:1], 64
+        args.n_values, args.seeds, args.total_episodes, args.lr_grid = [1, 2], args.seeds[:1], 64, [1e-4]
+        args.rewards, args.lag_matched, args.reward_model_panel = ["gold"], False, False
         extra = ["--num_final_eval_prompts", "64"]
-    args.sized_dir = args.sized_dir or f"~/.cache/async-rlhf/tldr-v3-sized{'-quick' if args.quick else ''}"
+    if args.n_values[0] != 1:
+        sys.exit(f"--n_values must start at 1 (the tuning's N and the statistic's baseline), got {args.n_values}")
+    for reward in args.rewards:
+        if reward not in ("gold", "proxy"):
+            sys.exit(f"--rewards {reward}: unknown; gold or proxy")
+    args.sized_dir = args.sized_dir or f"~/.cache/async-rlhf/tldr-v3-sized-v2{'-quick' if args.quick else ''}"
     sweep_start = time.time()
     sized = tiny_world.build_sized(args.sized_dir, args.tiny_dir, quick=args.quick)
     sizes = list(sized["policy"])  # smallest first
-    smallest, largest = sizes[0], sizes[-1]
-    # (policy size, proxy size): every policy with the smallest proxy, every proxy with the smallest policy
-    pairs = [(p, smallest) for p in sizes] + [(smallest, r) for r in sizes[1:]]
-    keep_runs = args.runs_dir is not None or not args.quick
-    runs_dir = args.runs_dir or (os.path.join(HERE, "runs", "scaling") if keep_runs else
-                                 tempfile.mkdtemp(prefix="scaling_"))
+    smallest, middle, largest = sizes[0], sizes[len(sizes) // 2], sizes[-1]
+    if args.proxy_size not in sizes:
+        sys.exit(f"--proxy_size {args.proxy_size}: not one of the built sizes {sizes}")
+    runs_dir, keep_runs = sweep_folder(args.runs_dir, "scaling", args.quick)
     num_steps = args.total_episodes // args.batch_size
-    default_lr = TINY_DEFAULTS["learning_rate"]  # async_dpo.py's tiny default, the same for every size
+    reward_names = {"gold": "gold", "proxy": f"proxy-{args.proxy_size}"}
 
-    def run(policy: str, proxy: str, n: int, seed: int, lr: float = default_lr) -> dict:
-        name = f"policy-{policy}_proxy-{proxy}{'' if lr == default_lr else f'_lr{lr:.3g}'}_n{n}_seed{seed}"
+    def run(policy: str, reward: str, n: int, seed: int, lr: float) -> dict:
+        """reward: `gold` or `proxy-SIZE`."""
+        path = (os.path.join(os.path.expanduser(args.tiny_dir), "gold") if reward == "gold" else
+                sized["proxy"][reward.removeprefix("proxy-")])
+        name = f"policy-{policy}_{reward}_lr{lr:.3g}_n{n}_seed{seed}"
         return train("async_dpo.py", [
-            "--tiny_dir", args.tiny_dir, "--sft_model_path", sized["policy"][policy], "--reward_model_path",
-            sized["proxy"][proxy], "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes",
-            str(args.total_episodes), "--batch_size", str(args.batch_size), "--eval_every", "0",
-            "--learning_rate", str(lr), *extra], os.path.join(runs_dir, name), num_steps,
-            f"{name} ({time.time() - sweep_start:.0f} s so far)")
+            "--tiny_dir", args.tiny_dir, "--sft_model_path", sized["policy"][policy], "--reward_model_path", path,
+            "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes", str(args.total_episodes),
+            "--batch_size", str(args.batch_size), "--eval_every", "0", "--learning_rate", str(lr), *extra],
+            os.path.join(runs_dir, name), num_steps, f"{name} ({time.time() - sweep_start:.0f} s so far)")
 
+    def final_win(rows: list) -> float:
+        return statistics.mean(r["final"]["eval/gold_win_rate"] for r in rows)
+
+    results, tuned, grid = {}, {}, {}  # results[(policy, reward, N, arm)]: the seeds' runs; tuned[(policy, reward)]
     try:
-        results = {(p, r, n, "default"): [run(p, r, n, seed) for seed in args.seeds]
-                   for p, r in pairs for n in args.n_values}
-        control_lr = None
-        if args.lr_control and largest != smallest:
-            # the smallest policy's lr scaled by the ratio of the step sizes the two policies took at the smallest N
-            first_n = min(args.n_values)
-            step_size = {p: statistics.mean(r["update"] for r in results[p, smallest, first_n, "default"])
-                         for p in (smallest, largest)}
-            control_lr = default_lr * step_size[largest] / step_size[smallest]
-            for n in args.n_values:
-                results[smallest, smallest, n, "control"] = [run(smallest, smallest, n, s, control_lr)
-                                                             for s in args.seeds]
+        for arm_reward in args.rewards:  # 1. tuning at N = 1, then 2. every N at the tuned learning rate
+            reward = reward_names[arm_reward]
+            for policy in sizes:
+                grid[policy, reward] = {lr: [run(policy, reward, 1, s, lr) for s in args.seeds] for lr in args.lr_grid}
+                tuned[policy, reward] = max(args.lr_grid, key=lambda lr: final_win(grid[policy, reward][lr]))
+                lr = tuned[policy, reward]
+                results[policy, reward, 1, "tuned"] = grid[policy, reward][lr]
+                for n in args.n_values[1:]:
+                    results[policy, reward, n, "tuned"] = [run(policy, reward, n, s, lr) for s in args.seeds]
+        matched = {}
+        if args.lag_matched and "proxy" in args.rewards and 16 in args.n_values:  # 3. lag-matched
+            reward = reward_names["proxy"]
+            lag = {p: statistics.mean(r["lag"] for r in results[p, reward, 16, "tuned"]) for p in sizes}
+            for policy in sizes:
+                matched[policy] = lag_matched_lr(tuned[policy, reward], lag[policy], lag[middle])
+                for n in args.n_values:
+                    results[policy, reward, n, "lag-matched"] = [run(policy, reward, n, s, matched[policy])
+                                                                 for s in args.seeds]
+        if args.reward_model_panel and "proxy" in args.rewards:  # 4. the middle policy with every proxy
+            for proxy in sizes:
+                reward = f"proxy-{proxy}"
+                for n in args.n_values:
+                    results.setdefault((middle, reward, n, "tuned"), [
+                        run(middle, reward, n, s, tuned[middle, reward_names["proxy"]]) for s in args.seeds])
     finally:
         if not keep_runs:
             shutil.rmtree(runs_dir, ignore_errors=True)
 
-    # The table: the sizes (parameters, SFT gold win rate, proxy agreement), then one row per point
+    # The sizes (parameters, SFT gold win rate, the proxies' agreement on each size's samples), the tuning, the points
     report = sized["sizes"]
-    print("\n| size | parameters | SFT gold win rate (build) | proxy's agreement with gold |\n|---|---|---|---|")
+    print("\n| size | parameters | SFT gold win rate (build) | proxy's agreement with gold: on every size's samples | "
+          + " | ".join(f"on {s}'s" for s in sizes) + " |\n|---|---|---|---|" + "---|" * len(sizes))
     for size in sizes:
         r = report[size]
         print(f"| {size} ({r['hidden_size']} wide, {r['layers']} layers) | {r['parameters'] / 1e6:.2f}M | "
-              f"{r['sft_gold_win_rate']:.3f} | {r['proxy_gold_agreement']:.3f} |")
-    print(f"\n{len(args.seeds)} seed(s) per row, mean ± standard error over seeds; "
-          + (f"the control's learning rate: {control_lr:.3g} (the default's {default_lr:g} x the ratio of the "
-             f"largest to the smallest policy's mean lag/update at N = {min(args.n_values)})" if control_lr else ""))
-    print("\n| policy | proxy | lr | N | SFT gold win rate | gold win rate | perplexity | lag/kl | lag/update "
-          "| time |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (policy, proxy, n, kind), rows in results.items():
-        print(f"| {policy} | {proxy} | {'x%.2f' % (control_lr / default_lr) if kind == 'control' else 'default'} | "
-              f"{n} | {fmt([r['sft']['eval/gold_win_rate'] for r in rows])} | "
+              f"{r['sft_gold_win_rate']:.3f} | {r['proxy_gold_agreement']:.3f} | "
+              + " | ".join(f"{r['proxy_gold_agreement_on'][s]:.3f}" for s in sizes) + " |")
+    print(f"\nTuning at N = 1 (final gold win rate, mean ± s.e. over {len(args.seeds)} seed(s); the best is kept):\n\n"
+          "| policy | reward | " + " | ".join(f"lr {lr:g}" for lr in args.lr_grid) + " | tuned |\n|---|---|"
+          + "---|" * (len(args.lr_grid) + 1))
+    for (policy, reward), by_lr in grid.items():
+        print(f"| {policy} | {reward} | " + " | ".join(fmt([r["final"]["eval/gold_win_rate"] for r in rows])
+                                                       for rows in by_lr.values()) + f" | {tuned[policy, reward]:g} |")
+    if matched:
+        print("\nlag-matched learning rates (lag/kl at N = 16 set to the middle size's): "
+              + ", ".join(f"{p} {lr:.3g}" for p, lr in matched.items()))
+    print(f"\n{len(args.seeds)} seed(s) per row, mean ± standard error over seeds\n\n| policy | reward | arm | N | "
+          "SFT gold win rate | gold win rate | reward's win rate | ends (EOS) | perplexity | lag/kl | lag/update | "
+          "time |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (policy, reward, n, arm), rows in results.items():
+        print(f"| {policy} | {reward} | {arm} | {n} | {fmt([r['sft']['eval/gold_win_rate'] for r in rows])} | "
               f"{fmt([r['final']['eval/gold_win_rate'] for r in rows])} | "
+              f"{fmt([r['final']['eval/proxy_win_rate'] for r in rows])} | "
+              f"{fmt([r['final']['eval/eos_fraction'] for r in rows], 2)} | "
               f"{fmt([r['final']['eval/perplexity'] for r in rows], 2)} | {fmt([r['lag'] for r in rows], 4)} | "
               f"{fmt([r['update'] for r in rows], 5)} | {statistics.mean(r['seconds'] for r in rows):.0f} s |")
     report_size_statistic(results, smallest, largest)
@@ -165,37 +224,36 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     markers = dict(zip(sizes, "os^"))
-    n_color = {n: plt.cm.viridis(i / max(len(args.n_values) - 1, 1)) for i, n in enumerate(sorted(args.n_values))}
-
-    def point(ax, x: list, y: list, **style) -> None:
-        (x, x_err), (y, y_err) = mean_and_stderr(x), mean_and_stderr(y)
-        ax.errorbar(x, y, xerr=x_err, yerr=y_err, linestyle="none", ecolor="gray", markersize=8, **style)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, sweep in zip(axes, ("policy", "proxy")):
-        for (policy, proxy, n, kind), rows in results.items():
-            size = policy if sweep == "policy" else proxy
-            if kind == "default" and (proxy == smallest if sweep == "policy" else policy == smallest):
-                point(ax, [r["final"]["eval/perplexity"] for r in rows],
-                      [r["final"]["eval/gold_win_rate"] for r in rows], marker=markers[size], color=n_color[n])
-        ax.set(xlabel="perplexity under the SFT model", title=f"{sweep} sizes (the other: {smallest})")
-    axes[0].set_ylabel("final gold win rate")
-    handles = [plt.Line2D([], [], marker=m, color="gray", linestyle="none", label=s) for s, m in markers.items()]
-    handles += [plt.Line2D([], [], marker="o", color=c, linestyle="none", label=f"N={n}") for n, c in n_color.items()]
-    axes[1].legend(handles=handles, fontsize=8)
+    arms = list(dict.fromkeys((reward, arm) for _, reward, _, arm in results))
+    fig, axes = plt.subplots(1, len(arms), figsize=(4.5 * len(arms), 4), sharey=True, squeeze=False)
+    for ax, (reward, arm) in zip(axes[0], arms):
+        for i, policy in enumerate(sizes):
+            at = [n for n in args.n_values if (policy, reward, n, arm) in results]
+            if at:
+                means = [mean_and_stderr([r["final"]["eval/gold_win_rate"] for r in results[policy, reward, n, arm]])
+                         for n in at]
+                ax.errorbar(at, [m for m, _ in means], yerr=[e for _, e in means], marker=markers[policy],
+                            color=f"C{i}", capsize=3, label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="N", title=f"{reward}, {arm}")
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("final gold win rate")
     fig.suptitle(f"Online DPO on the tiny world, sizes against N ({len(args.seeds)} seeds, mean ± s.e.)")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.plot_dir, "scaling_frontier.png"), dpi=90)
+    fig.savefig(os.path.join(args.plot_dir, "scaling_by_n.png"), dpi=90)
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for (policy, proxy, n, kind), rows in results.items():
-        point(ax, [r["lag"] for r in rows], [r["final"]["eval/gold_win_rate"] for r in rows],
-              marker=markers[policy], color=n_color[n], fillstyle="none" if kind == "control" else
-              ("left" if proxy != smallest else "full"))
+    for (policy, reward, n, arm), rows in results.items():
+        (x, x_err), (y, y_err) = (mean_and_stderr(v) for v in ([r["lag"] for r in rows],
+                                                                 [r["final"]["eval/gold_win_rate"] for r in rows]))
+        ax.errorbar(x, y, xerr=x_err, yerr=y_err, linestyle="none", ecolor="gray", markersize=7,
+                    marker=markers[policy], color=f"C{sizes.index(policy)}",
+                    fillstyle="none" if reward == "gold" else ("left" if arm == "lag-matched" else "full"))
     ax.set_xscale("log")
     ax.set(xlabel="mean lag/kl over the run's steps", ylabel="final gold win rate",
-           title="policy size (marker), N (colour); hollow: the lr control; half: a larger proxy")
+           title="policy size (marker); hollow: gold reward; half: lag-matched; full: proxy, tuned")
     ax.title.set_fontsize(8)
     fig.tight_layout()
     fig.savefig(os.path.join(args.plot_dir, "scaling_by_lag.png"), dpi=90)
-    print(f"plots saved to {args.plot_dir}/scaling_frontier.png and scaling_by_lag.png")
+    print(f"plots saved to {args.plot_dir}/scaling_by_n.png and scaling_by_lag.png")

@@ -73,7 +73,9 @@ def test_the_size_statistic_worked_by_hand(capsys):
     assert "| small | small | default | -0.300 ± 0.000" in out and "| large | small | default | +0.000 ± 0.058" in out
     assert "0% (" in out and "100% (" in out
     # d_large - d_small = 0.3, s.e. 0.1 / sqrt(3) (d_small's spread is 0): t = 5.2 > 4.30
-    assert "d_large - d_small (proxy small, default lr; the hypothesis predicts > 0): +0.300 ± 0.058 (t = 5.2" in out
+    assert "d_large - d_small (small, default; the hypothesis predicts > 0): +0.300 ± 0.058 (t = 5.2" in out
+    # the lag-matched arm's learning rate: a lag 4x the target's halves the step
+    assert scaling.lag_matched_lr(1e-4, 0.04, 0.01) == pytest.approx(5e-5)
 
 
 def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
@@ -188,13 +190,14 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "off_policy.py"))
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| dpo |")]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| dpo |") and ".." in line]
     assert [row.split(" | ")[1:3] for row in rows] == [["1", "0..1"], ["2", "0..3"]], result.stdout
+    assert "| dpo | +" in result.stdout or "| dpo | -" in result.stdout  # the drop from N = 1, paired by seed
     assert "| rloo (recompute + truncated IS) | 2 | 0..3 |" in result.stdout  # the off-policy correction
     assert "rloo N = 2: w from " in result.stdout  # and the weights it applied, summarised
     # the paper's two controls and DPO's two variants (benchmarks/dpo_variants.py), with the lag each run measured
     # and, for DPO's family, the share of tied prompts left out
-    for control in ("bo2_sft", "copg", "dpo_no_reference", "dpo_linear"):
+    for control in ("bo2_sft", "copg", "dpo_linear"):
         row = next(line for line in result.stdout.splitlines() if line.startswith(f"| {control} | 2 |"))
         lag_kl, update = (float(cell.split(" ± ")[0]) for cell in row.split(" | ")[8:10])
         assert lag_kl > 0 and update > 0, row
@@ -222,7 +225,7 @@ def test_off_policy_quick(tiny_dir, tmp_path):
                        script=os.path.join("benchmarks", "off_policy.py"))
     assert again.returncode == 0, again.stderr[-3000:]
     started = [line for line in again.stdout.splitlines() if line.startswith("[")]
-    assert [line.split(" (")[0] for line in started] == ["[5/5] copg_n2_seed1"], again.stdout
+    assert [line.split(" (")[0] for line in started] == ["[5/6] copg_n2_seed1"], again.stdout
     assert table(again.stdout) == table(result.stdout), again.stdout
 
 
@@ -232,20 +235,22 @@ def table(console: str) -> list[str]:
 
 
 def test_scaling_quick(tiny_dir, sized_dir, tmp_path):
-    """benchmarks/scaling.py --quick on the quick sized world: the sizes' table, a row for every (policy, proxy)
-    point and for the learning-rate control, each with its lag, and both plots."""
+    """benchmarks/scaling.py --quick on the quick sized world: the sizes' table with each proxy's agreement on each
+    size's samples, the tuning's table, a row for every (policy, N) point of the gold arm (the world's gold reward
+    model as the reward) with its lag, the statistic fixed before the runs, and both plots."""
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--sized_dir", sized_dir, "--plot_dir", str(tmp_path),
                         script=os.path.join("benchmarks", "scaling.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split(" | ") for line in table(result.stdout) if line.startswith(("| small", "| base"))]
     sizes = [row for row in rows if row[0].endswith("layers)")]
-    points = [row[:4] for row in rows if row not in sizes]
     assert [row[0] for row in sizes] == ["| small (64 wide, 2 layers)", "| base (128 wide, 2 layers)"], result.stdout
-    assert points[:3] == [["| small", "small", "default", "2"], ["| base", "small", "default", "2"],
-                          ["| small", "base", "default", "2"]], result.stdout
-    assert points[3][:2] == ["| small", "small"] and points[3][2].startswith("x") and len(points) == 4
-    assert all(float(row[7].split(" ± ")[0]) > 0 and float(row[8].split(" ± ")[0]) > 0 for row in rows[len(sizes):])
-    for name in ("scaling_frontier.png", "scaling_by_lag.png"):
+    assert all(len(row) == 5 for row in sizes)  # agreement on every size's samples, on each size's own (the last cut)
+    points = [row for row in rows if row not in sizes and len(row) >= 11]
+    assert [row[:4] for row in points] == [["| small", "gold", "tuned", "1"], ["| small", "gold", "tuned", "2"],
+                                           ["| base", "gold", "tuned", "1"], ["| base", "gold", "tuned", "2"]]
+    assert all(float(row[9].split(" ± ")[0]) > 0 and float(row[10].split(" ± ")[0]) > 0 for row in points)  # lags
+    assert "d_base - d_small (gold, tuned; the hypothesis predicts > 0): " in result.stdout
+    for name in ("scaling_by_n.png", "scaling_by_lag.png"):
         assert (tmp_path / name).stat().st_size > 1000
 
 

@@ -15,7 +15,8 @@ from conftest import REPO, TORCHRUN_2, run_in_process, run_script
 
 from plumbing import checkpoint, launch
 
-RUN = ("--model", "tiny", "--total_episodes", "192", "--eval_every", "2", "--num_eval_prompts", "32")
+RUN = ("--model", "tiny", "--total_episodes", "192", "--eval_every", "2", "--num_eval_prompts", "32",
+       "--num_final_eval_prompts", "64")
 COMPARED = {"async_dpo.py": ("loss/dpo", "logps/chosen", "logps/rejected", "reward/mean", "logps/generator_gap"),
             "async_ppo.py": ("loss/policy", "loss/value", "objective/kl", "policy/ratio_mean", "reward/mean")}
 

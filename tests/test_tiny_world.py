@@ -100,8 +100,9 @@ def test_gold_model_follows_one_word_probes(world):
 
 def test_sized_policies_and_proxies_share_the_gold_model_and_leave_the_world_as_it_was(tiny_dir, sized_dir):
     """tiny_world.build_sized (quick: two sizes): each policy is a causal LM of its size, "base" the world's own
-    policy weight for weight; each proxy a reward model of its size, normalised on held-out summaries and ordering
-    them mostly as gold does; the gold model, data and tokenizer stay the world's, whose folder is not touched."""
+    policy weight for weight; each proxy a reward model of its size, trained on pairs of every size's samples,
+    normalised on held-out summaries and ordering them mostly as gold does, its agreement reported on each size's;
+    the gold model, data and tokenizer stay the world's, whose folder is not touched."""
     report = json.load(open(os.path.join(sized_dir, "world.json")))
     assert list(report["sizes"]) == ["small", "base"] and report["base"] == tiny_dir
     small, base = (report["sizes"][size] for size in ("small", "base"))
@@ -117,6 +118,9 @@ def test_sized_policies_and_proxies_share_the_gold_model_and_leave_the_world_as_
         proxy = AutoModelForSequenceClassification.from_pretrained(os.path.join(sized_dir, f"proxy-{size}"))
         assert (proxy.config.hidden_size, proxy.config.num_hidden_layers) == (hidden, layers)
         assert report["sizes"][size]["proxy_gold_agreement"] > 0.55, size
+        # trained on every size's samples, and measured on each size's own
+        assert set(report["sizes"][size]["proxy_gold_agreement_on"]) == set(report["sizes"]), size
+    assert report["recipe"] == tiny_world.SIZED_RECIPE
     assert not os.path.exists(os.path.join(sized_dir, "gold")) and not os.path.exists(os.path.join(sized_dir, "data"))
     # the world it was built beside is as it was, file for file
     assert report["base_hash"] == tiny_world.check_world(tiny_dir, "tldr")
