@@ -46,12 +46,17 @@ class Args:
     """one seed and short runs: checks that the benchmark works, measures nothing"""
 
 
+def finished(metrics_path: str) -> bool:
+    """Whether a run's metrics end with its final evaluation, after its last step."""
+    records = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
+    steps = [r for r in records if "loss/dpo" in r]
+    return bool(steps) and "eval/pass_at_1" in records[-1] and records[-1]["step"] == steps[-1]["step"]
+
+
 def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
     """One run (or, finished before in `output_dir`, read back): its evaluations, training seconds and staleness."""
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    records = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
-    steps = [r for r in records if "loss/dpo" in r]
-    if not (steps and "eval/pass_at_1" in records[-1] and records[-1]["step"] == steps[-1]["step"]):
+    if not finished(metrics_path):
         print(f"seed {seed}: {'sync' if sync else 'async'} ...", flush=True)
         flags = ["--total_episodes", "160", "--eval_every", "2", "--num_eval_prompts", "40",
                  "--num_final_eval_prompts", "40"] if args.quick else []
@@ -59,11 +64,10 @@ def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
         subprocess.run([sys.executable, os.path.join(REPO, "gsm8k_async_dpo.py"), "--model", "tiny", "--tiny_dir",
                         args.tiny_dir, "--seed", str(seed), "--output_dir", output_dir, *(["--sync"] if sync else []),
                         *flags], check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        records = [json.loads(line) for line in open(metrics_path)]
-        steps = [r for r in records if "loss/dpo" in r]
+    records = [json.loads(line) for line in open(metrics_path)]
+    steps = [r for r in records if "loss/dpo" in r]
     return dict(evals=[r for r in records if "eval/pass_at_1" in r], train_seconds=steps[-1]["time/elapsed"],
                 staleness=sorted({r["staleness"] for r in steps}))
-
 
 if __name__ == "__main__":
     args = tyro.cli(Args)

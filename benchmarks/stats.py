@@ -37,37 +37,34 @@ def binomial_stderr(rate: float, n: int) -> float:
     return math.sqrt(max(rate * (1 - rate), 0.0) / n)
 
 
-def gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
-    """The per-seed difference values - baseline (paired by seed): its mean, standard error, t, the threshold and
-    whether it passes it."""
-    if len(values) != len(baseline):
-        raise ValueError(f"a paired gap needs as many seeds on each side, got {len(values)} and {len(baseline)}")
-    gaps = [a - b for a, b in zip(values, baseline)]
-    mean, se = mean_and_stderr(gaps)
-    if len(gaps) < 2:
-        return dict(mean=mean, se=0.0, t=None, threshold=None, passes=False, text=f"{mean:+.{digits}f} (one seed)")
-    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0
-    threshold = t_95(len(gaps) - 1)
-    passes = abs(t) > threshold
-    text = (f"{mean:+.{digits}f} ± {se:.{digits}f} (t = {t:.1f}, threshold {threshold:.2f}: "
-            f"{'passes' if passes else 'inconclusive'})")
-    return dict(mean=mean, se=se, t=t, threshold=threshold, passes=passes, text=text)
-
-
-def unpaired_gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
-    """mean(values) - mean(baseline) for two independent sets of seeds (Welch's standard error), judged against the t
-    threshold at the smaller side's degrees of freedom (conservative, fixed in advance rather than estimated)."""
-    (a, a_se), (b, b_se) = mean_and_stderr(values), mean_and_stderr(baseline)
-    mean, se, df = a - b, math.hypot(a_se, b_se), min(len(values), len(baseline)) - 1
+def judged(mean: float, se: float, df: int, digits: int = 3, interval: bool = False) -> dict:
+    """A gap's mean and standard error judged against the t threshold at `df` degrees of freedom: its t, the
+    threshold, whether it passes, and the line the tables print (with its 95% interval if asked)."""
     if df < 1:
         return dict(mean=mean, se=0.0, t=None, threshold=None, passes=False, text=f"{mean:+.{digits}f} (one seed)")
     t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0
     threshold = t_95(df)
     passes = abs(t) > threshold
     text = (f"{mean:+.{digits}f} ± {se:.{digits}f} (t = {t:.1f}, threshold {threshold:.2f}: "
-            f"{'passes' if passes else 'inconclusive'}; 95% interval {mean - threshold * se:+.{digits}f} to "
-            f"{mean + threshold * se:+.{digits}f})")
+            f"{'passes' if passes else 'inconclusive'}"
+            + (f"; 95% interval {mean - threshold * se:+.{digits}f} to {mean + threshold * se:+.{digits}f}"
+               if interval else "") + ")")
     return dict(mean=mean, se=se, t=t, threshold=threshold, passes=passes, text=text)
+
+
+def gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
+    """The per-seed difference values - baseline (paired by seed), judged (see `judged`)."""
+    if len(values) != len(baseline):
+        raise ValueError(f"a paired gap needs as many seeds on each side, got {len(values)} and {len(baseline)}")
+    mean, se = mean_and_stderr([a - b for a, b in zip(values, baseline)])
+    return judged(mean, se, len(values) - 1, digits)
+
+
+def unpaired_gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
+    """mean(values) - mean(baseline) for two independent sets of seeds (Welch's standard error), judged against the t
+    threshold at the smaller side's degrees of freedom (conservative, fixed in advance rather than estimated)."""
+    (a, a_se), (b, b_se) = mean_and_stderr(values), mean_and_stderr(baseline)
+    return judged(a - b, math.hypot(a_se, b_se), min(len(values), len(baseline)) - 1, digits, interval=True)
 
 
 def ratio_interval(numerator: float, denominator: float, gradients_and_errors: list[tuple[float, float]],
