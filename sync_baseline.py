@@ -335,11 +335,15 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         prompts = [train_prompts[i] for i in prompt_rounds[round_index][my_prompts]]
         pairs = make_pairs(batch, prompts, my_prompts, reward_models["proxy"], args, run)
 
-        # 4. ALGO: the frozen reference's log-probs of every pair, once per round
-        ref_logps = logprobs_in_chunks(ref_policy, pairs["prompts"] * 2, pairs["chosen"]
-                                       + pairs["rejected"], args.temperature,
-                                       2 * args.per_device_train_batch_size, run).sum(1)
-        pairs["ref_chosen_logps"], pairs["ref_rejected_logps"] = ref_logps.chunk(2)
+        # 4. ALGO: the frozen reference's log-probs of every completion, once per round: the pairs'
+        # for the loss, all K for the sampled KL(pi || ref) of the weights that generated them
+        K, sampled = args.num_samples, pairs.pop("sampled")
+        ref_logps = logprobs_in_chunks(ref_policy, [p for p in pairs["prompts"] for _ in range(K)],
+                                       sampled["responses"], args.temperature,
+                                       K * args.per_device_train_batch_size, run).sum(1)
+        pairs["ref_chosen_logps"] = ref_logps[sampled["chosen"]]
+        pairs["ref_rejected_logps"] = ref_logps[sampled["rejected"]]
+        pairs["kl"] = (sampled["generator_logps"] - ref_logps).view(-1, K).mean(1)  # per prompt
 
         # 5. ALGO: N mini-batches x T epochs of DPO steps; mini-batch n is the n-th slice of every
         # rank's pairs (all ranks' n-th slices: the step's batch_size prompts)
@@ -499,7 +503,8 @@ def select_pairs(scores: torch.Tensor):
 def make_pairs(batch: dict, prompts: list, my_prompts, reward_model, args: Args,
                run: core.Run) -> dict:
     """This rank's DPO pairs, one row per prompt: its chosen and rejected completion, the scores of
-    its K completions, whether it has a preference, its EOS count, the generator's log-probs."""
+    its K completions, whether it has a preference, its EOS count, the generator's log-probs; and
+    `sampled`, all K completions (a row each) with their log-probs and the pairs' rows among them."""
     K = args.num_samples
     completions = [i * K + k for i in my_prompts for k in range(K)]  # in the generator's output
     responses, has_eos = truncate_at_eos([batch["responses"][i] for i in completions],
@@ -515,7 +520,9 @@ def make_pairs(batch: dict, prompts: list, my_prompts, reward_model, args: Args,
                 eos=torch.tensor(has_eos, dtype=torch.float).view(-1, K),  # [prompt, k]
                 lengths=torch.tensor([len(r) for r in responses]).view(-1, K),
                 generator_chosen_logps=generator_logps[chosen],
-                generator_rejected_logps=generator_logps[rejected])
+                generator_rejected_logps=generator_logps[rejected],
+                sampled=dict(responses=responses, chosen=chosen, rejected=rejected,
+                             generator_logps=generator_logps))
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float):
@@ -577,7 +584,7 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
         f"loss/{args.loss}": (losses, valid), "logps/chosen": (chosen_logps, valid),
         **({"logps/rejected": (rejected_logps, valid)} if args.loss == "dpo" else {}),
         "logps/generator_gap": (generator_gap, read_valid), "reward/mean": scores.mean(1),
-        "lag/kl": (torch.expm1(generator_gap) - generator_gap, read_valid),
+        "lag/kl": (torch.expm1(generator_gap) - generator_gap, read_valid), "objective/kl": mini_batch["kl"],
         "reward/chosen": scores.max(1).values, "reward/rejected": scores.min(1).values,
         "pairs/tie_fraction": 1 - valid, "eos/fraction": mini_batch["eos"].mean(1)},
         spread=("logps/generator_gap",), lengths=mini_batch["lengths"], cut=1 - mini_batch["eos"])}

@@ -14,7 +14,9 @@ few decoding steps' overhead dominates), its training grows with the prompts: 1 
 the demo's 32 training-bound. Each setting is shown to be what it claims by its own runs' `time/generation` against
 `time/training` (rounds after the first; printed with each run's regime line). Evaluations (128 prompts, greedy)
 count in the wall clock: generation-bound runs evaluate at the same episodes, training-bound runs as many times each.
-The KL at a matched win rate (the perplexity where each curve first reaches a level) is printed beside the finals.
+The KL at a matched win rate (where each curve first reaches a level) is printed beside the finals, on two axes: the
+perplexity of the greedy summaries under the SFT model (the paper's axis; on this world it falls as win rate rises, so
+it is no divergence) and the sampled KL(pi || SFT) the scripts log (`objective/kl`, on the training samples).
 The speed-up is one number per run: the wall-clock time at which its weights first reached a gold win rate of
 --threshold (generation-bound, 0.6: fixed before any run, between the SFT policy's ~0.35 and the demo's final ~0.8)
 or --training_bound_threshold (0.5, fixed after the pilot that chose the training-bound learning rate).
@@ -106,7 +108,7 @@ def read_curve(output_dir: str) -> dict:
     return dict(
         episodes=[e["episode"] for e in evals], win_rate=[e["eval/gold_win_rate"] for e in evals],
         seconds=[steps[e["step"]]["time/elapsed"] if e["step"] else 0.0 for e in evals],
-        perplexities=[e["eval/perplexity"] for e in evals],
+        perplexities=[e["eval/perplexity"] for e in evals], kls=sampled_kls(list(steps.values()), evals),
         perplexity=evals[-1]["eval/perplexity"], final=evals[-1]["eval/gold_win_rate"],
         generation=means["generating"], training=means["training"],
         margin=statistics.median(m for m in (r["reward/margin_median"] for r in steps.values()) if not math.isnan(m)),
@@ -114,18 +116,32 @@ def read_curve(output_dir: str) -> dict:
         total=evals[-1]["time/elapsed"], regime=metrics.regime(records))
 
 
+def sampled_kls(steps: list, evals: list) -> list:
+    """Each evaluation's sampled KL(pi || SFT): the mean `objective/kl` of the steps whose batches the weights
+    between the midpoints to its neighbouring evaluations generated (a round's few prompts make one step's value
+    noisy); the SFT policy's (step 0), of the batches version 0 generated. None: no such step (or a run from before
+    the metric was logged)."""
+    versions = [e["step"] for e in evals]
+    bounds = ([0, 1] + [(a + b) / 2 for a, b in zip(versions[1:], versions[2:])] + [math.inf])[: len(evals) + 1]
+    kls = []
+    for low, high in zip(bounds, bounds[1:]):
+        window = [r["objective/kl"] for r in steps if low <= r["generation_version"] < high and "objective/kl" in r]
+        kls.append(statistics.mean(window) if window else None)
+    return kls
+
+
 def first_reach(curve: dict, threshold: float, key: str) -> Optional[float]:
     """The episodes (or seconds) at the first evaluation at or above the threshold; None: never reached."""
     return next((x for x, w in zip(curve[key], curve["win_rate"]) if w >= threshold), None)
 
 
-def at_level(curve: dict, level: float) -> Optional[float]:
-    """The perplexity where the win-rate curve first reaches `level`, interpolated linearly between the two
-    evaluations around the crossing (the KL axis at a matched win rate); None: never reached."""
-    points = list(zip(curve["win_rate"], curve["perplexities"]))
+def at_level(curve: dict, level: float, axis: str) -> Optional[float]:
+    """The `axis` value (perplexities or kls) where the win-rate curve first reaches `level`, interpolated linearly
+    between the two evaluations around the crossing (the KL axis at a matched win rate); None: never reached."""
+    points = list(zip(curve["win_rate"], curve[axis]))
     for (w0, p0), (w1, p1) in zip(points, points[1:]):
         if w0 < level <= w1:
-            return p0 + (p1 - p0) * (level - w0) / (w1 - w0)
+            return None if None in (p0, p1) else p0 + (p1 - p0) * (level - w0) / (w1 - w0)
     return points[0][1] if points[0][0] >= level else None
 
 
@@ -141,9 +157,9 @@ def threshold_of(setting: str, args: Args) -> float:
 
 
 def report_matched_kl(curves: dict, rows: dict, args: Args) -> None:
-    """The KL axis (perplexity under the SFT model) where each run first reaches the same win rates (final points sit
-    at different win rates, so only a matched level shows a trade-off): every multiple of 0.05 above the SFT
-    policy's win rate up to the highest that two rows reach on every seed, and the threshold."""
+    """The KL axes (perplexity under the SFT model, sampled KL(pi || SFT)) where each run first reaches the same win
+    rates (final points sit at different win rates, so only a matched level shows a trade-off): every multiple of
+    0.05 above the SFT policy's win rate up to the highest that two rows reach on every seed, and the threshold."""
     for setting in dict.fromkeys(s for s, _ in rows):
         labels = [label for s, label in rows if s == setting]
         peaks = {label: min(max(curves[setting, label, s]["win_rate"][1:]) for s in args.seeds) for label in labels}
@@ -153,13 +169,14 @@ def report_matched_kl(curves: dict, rows: dict, args: Args) -> None:
         levels = [level for level in levels if level <= max(peaks.values())]
         if not levels:
             continue
-        print(f"\n{setting}: perplexity where the gold win rate first reaches each level (interpolated between "
-              "evaluations; -: not reached on every seed), mean ± s.e. over seeds\n\n| run | "
-              + " | ".join(f"at {w:.2f}" for w in levels) + " |\n|---|" + "---|" * len(levels))
-        for label in labels:
-            cells = [fmt([at_level(curves[setting, label, s], w) for s in args.seeds], 3) if peaks[label] >= w
-                     else "-" for w in levels]
-            print(f"| {label} | " + " | ".join(cells) + " |")
+        for axis, name in (("perplexities", "perplexity under the SFT model"), ("kls", "sampled KL(pi || SFT)")):
+            print(f"\n{setting}: the {name} where the gold win rate first reaches each level (interpolated between "
+                  "evaluations; -: not reached on every seed, or not logged), mean ± s.e. over seeds\n\n| run | "
+                  + " | ".join(f"at {w:.2f}" for w in levels) + " |\n|---|" + "---|" * len(levels))
+            for label in labels:
+                values = [[at_level(curves[setting, label, s], w, axis) for s in args.seeds] for w in levels]
+                cells = ["-" if peaks[label] < w or None in v else fmt(v, 3) for w, v in zip(levels, values)]
+                print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def report_k_control(curves: dict, args: Args) -> None:

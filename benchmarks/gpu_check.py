@@ -178,7 +178,7 @@ def dpo_mini_batch(prompts: list, chosen: list, rejected: list, valid: torch.Ten
     return dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=valid, scores=torch.zeros(M, 2),
                 eos=torch.ones(M, 2), lengths=torch.tensor([[len(c), len(r)] for c, r in zip(chosen, rejected)]),
                 generator_chosen_logps=torch.zeros(M),
-                generator_rejected_logps=torch.zeros(M),
+                generator_rejected_logps=torch.zeros(M), kl=torch.zeros(M),
                 ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
 
 

@@ -78,6 +78,21 @@ def test_the_size_statistic_worked_by_hand(capsys):
     assert scaling.lag_matched_lr(1e-4, 0.04, 0.01) == pytest.approx(5e-5)
 
 
+def test_the_sampled_kl_at_each_evaluation_worked_by_hand():
+    """compute_optimal.py's KL axis: each evaluation's mean `objective/kl` over the steps whose batches the weights
+    between the midpoints to its neighbouring evaluations generated; step 0's, version 0's batches alone."""
+    from benchmarks import compute_optimal
+
+    steps = [{"generation_version": v, "objective/kl": float(v)} for v in range(11)]
+    evals = [{"step": v} for v in (0, 4, 8, 10)]
+    # windows [0, 1), [1, 6), [6, 9), [9, inf)
+    assert compute_optimal.sampled_kls(steps, evals) == [0.0, 3.0, 7.0, 9.5]
+    assert compute_optimal.sampled_kls([{"generation_version": 0}], [{"step": 0}]) == [None]  # not logged
+    curve = {"win_rate": [0.3, 0.5, 0.7], "kls": [0.0, 2.0, None]}
+    assert compute_optimal.at_level(curve, 0.4, "kls") == pytest.approx(1.0)
+    assert compute_optimal.at_level(curve, 0.6, "kls") is None
+
+
 def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
     """The async-vs-sync benchmark runs, and benchmarks/timeline.py draws its async and sync runs from the
     `timeline/*` every script logs: the generator's and the learner's phases in order, overlapping only in the
