@@ -76,7 +76,7 @@ def one_step(script: str, **flags) -> tuple:
         return module.rloo_update, args, episodes
     pairs = dict(prompts=prompts, chosen=responses[:2], rejected=responses[2:], valid=torch.ones(2),
                  scores=torch.tensor([[1.0, 0.0], [0.5, 0.2]]), eos=torch.ones(2, 2), lengths=torch.ones(2, 2),
-                 generator_chosen_logps=torch.zeros(2), generator_rejected_logps=torch.zeros(2),
+                 generator_chosen_logps=torch.zeros(2), generator_rejected_logps=torch.zeros(2), kl=torch.zeros(2),
                  ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
     return module.dpo_update, args, pairs
 

@@ -283,7 +283,7 @@ def test_best_of_k_sft_trains_on_the_best_completions_of_prompts_that_do_not_tie
     mini_batch = dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=valid, scores=torch.zeros(2, 2),
                       eos=torch.ones(2, 2), lengths=torch.tensor([[3, 2], [1, 1]]),
                       generator_chosen_logps=torch.zeros(2), generator_rejected_logps=torch.zeros(2),
-                      ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
+                      kl=torch.zeros(2), ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
     sft = os.path.join(tiny_dir, "sft")
     by_hand = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
     inputs, mask = collate(prompts[:1], chosen[:1], PAD, CPU)
