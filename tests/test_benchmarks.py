@@ -187,6 +187,7 @@ def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
     assert "| async | 1 |" in result.stdout and "| sync | 1 |" in result.stdout and "speed-up" in result.stdout
     assert "| [0, 1] |" in result.stdout and "| [0] |" in result.stdout  # the staleness each schedule produced
     assert "| async | 1 | unseen facts |" in result.stdout  # both evaluation splits
+    assert "async - sync, pass@1 after, unseen facts (paired by seed)" in result.stdout
     assert plot.stat().st_size > 1000
     asynchronous, _ = read_metrics(runs / "async1", step_metric="loss/dpo", eval_metric="eval/pass_at_1")
     synchronous, evals = read_metrics(runs / "sync1", step_metric="loss/dpo", eval_metric="eval/pass_at_1")
