@@ -306,6 +306,7 @@ def folder(name: str) -> str:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     pilot_steps = 6 if args.quick else args.pilot_steps
     pilot = run("pilot_k0", args, pilot_steps, args.groups, "--max_staleness", "0", "--record_rollouts")
     rates = measure_rates(os.path.join(args.runs_dir, "pilot_k0"), pilot, args.groups)

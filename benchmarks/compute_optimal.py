@@ -207,6 +207,7 @@ def report_k_control(curves: dict, args: Args) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     extra = ["--num_final_eval_prompts", "512"]
     if args.quick:
         args.seeds, args.t_values, args.training_bound_evaluations, args.k_control = args.seeds[:1], [2], 2, False

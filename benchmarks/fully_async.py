@@ -197,6 +197,7 @@ def plot(results: dict, path: str) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     # (the order within a seed: the speed-up first, then the schedules and the naive objective, `drop` last)
     order = {**DRAIN_OR_INFLIGHT, **{name: flags for name, flags in SCHEDULES.items() if "drop" not in name},
              **NAIVE, **SCHEDULES, **(DEFAULT_ROOM if args.quick else {})}

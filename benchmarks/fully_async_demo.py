@@ -104,6 +104,7 @@ def plot(demo: dict, path: str) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     quick = ("--total_episodes", "96", "--batch_size", "16", "--per_device_train_batch_size", "16",
              "--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick else ()
     seeds = args.seeds[:1] if args.quick else args.seeds

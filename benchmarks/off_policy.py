@@ -186,6 +186,7 @@ def report_corrections(table: dict, variants: list[tuple], first_n: int) -> None
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     if args.quick:
         args.algorithms, args.n_values, args.seeds, args.total_episodes = ["dpo"], [1, 2], args.seeds[:1], 128
     for n in args.n_values:

@@ -121,6 +121,7 @@ def report_size_statistic(results: dict, smallest: str, largest: str) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     extra = []
     if args.quick:
         args.n_values, args.seeds, args.total_episodes, args.lr_grid = [1, 2], args.seeds[:1], 64, [1e-4]

@@ -202,8 +202,8 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     every run logged its final gold win rate and its lag, and N mini-batches per round give the staleness they
     should (0..N-1 in the first round, N..2N-1 after): N mini-batches share one set of generating weights, so
     staleness climbs within a round."""
-    runs = tmp_path / "runs"
-    result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
+    runs, plots = tmp_path / "runs", tmp_path / "plots" / "new"  # (a plot folder not there yet is made)
+    result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(plots), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "off_policy.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| dpo |") and ".." in line]
@@ -223,7 +223,7 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
     assert len(corrected) == 128 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
     for name in ("off_policy_frontier.png", "off_policy_by_n.png", "off_policy_by_lag.png"):
-        assert (tmp_path / name).stat().st_size > 1000
+        assert (plots / name).stat().st_size > 1000
     for n in (1, 2):
         steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
         assert len(steps) == 128 // 16  # (the sweep's batch: 16 prompts a step)
