@@ -14,8 +14,9 @@ learner's pi_old, each term weighted by min(pi_old / mu, 2)), and at the largest
 paper code's). The paper's two controls run beside them: Best-of-2 SFT (`async_dpo.py --loss best_of_k_sft`, its
 Figure 4) at every N, and CoPG-style RLOO (`async_rloo.py --loss copg`, its Figure 13) at N in {1, 4, 16}. It prints
 a table of the final evaluations (mean ± standard error over seeds) with each run's mean lag (`lag/kl`, the KL from
-the sampling weights to the learner's on the sampled completions, and `lag/update`, the relative size of a step) and
-saves three plots:
+the sampling weights to the learner's on the sampled completions, and `lag/update`, the relative size of a step),
+the drops from the smallest N to the largest, the training reward's lowest eighth of each run (a collapse recovered
+from before the final evaluation) and saves three plots:
 
   off_policy_frontier.png   gold win rate and gold mean score against perplexity, a marker per (algorithm, N)
   off_policy_by_n.png       final gold win rate and gold mean score against N, per algorithm
@@ -136,8 +137,10 @@ def read_run(output_dir: str) -> dict:
     steps = [r for r in records if "staleness" in r]
     weights = {key: [r[key] for r in steps] for key in IS_METRICS if key in steps[0]}  # (corrected runs)
     ties = [r["pairs/tie_fraction"] for r in steps if "pairs/tie_fraction" in r]  # (DPO and its controls)
+    rewards, n = [r["reward/mean"] for r in steps], len(steps)
+    eighths = [statistics.mean(rewards[i * n // 8:(i + 1) * n // 8] or rewards) for i in range(8)]  # (n < 8: all)
     return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps], weights=weights,
-                ties=statistics.mean(ties) if ties else None,
+                ties=statistics.mean(ties) if ties else None, reward_eighths=eighths,
                 lag=statistics.mean(r["lag/kl"] for r in steps),
                 update=statistics.mean(r["lag/update"] for r in steps), seconds=evals[-1]["time/elapsed"])
 
@@ -164,6 +167,18 @@ def report_drops(table: dict, first_n: int, last_n: int) -> None:
         against = "" if (algorithm, variant) == first else unpaired_gap(drop, drops[first])["text"]
         drop_text = gap(table[algorithm, last_n, variant]["gold win rate"], base)["text"]
         print(f"| {algorithm}{VARIANTS[variant][1]} | {drop_text} | {against} |")
+
+
+def report_dips(runs: dict, points: list[tuple], seeds: list[int]) -> None:
+    """The training reward (`reward/mean`: the reward model's score of the sampled completions, the missing-EOS
+    penalty included) over each eighth of a run's steps: its first eighth, its lowest and its last, so that a
+    collapse the policy recovers from before the final evaluation still shows."""
+    print("\nThe training reward over the run, the mean of each eighth of its steps (mean ± s.e. over seeds):\n\n"
+          "| rule | N | first eighth | lowest eighth | last eighth |\n|---|---|---|---|---|")
+    for algorithm, n, variant in points:
+        eighths = [runs[algorithm, n, variant, s]["reward_eighths"] for s in seeds]
+        print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {fmt([e[0] for e in eighths])} | "
+              f"{fmt([min(e) for e in eighths])} | {fmt([e[-1] for e in eighths])} |")
 
 
 def report_corrections(table: dict, variants: list[tuple], first_n: int) -> None:
@@ -257,6 +272,7 @@ if __name__ == "__main__":
               f"{fmt([r['update'] for r in seeds], 5)} | {ties_of(seeds)} | "
               f"{statistics.mean(r['seconds'] for r in seeds):.0f} s |")
     report_drops(table, first_n, max(args.n_values))
+    report_dips(runs, points, args.seeds)
     report_corrections(table, [(a, n, v) for a, n, v in points if v != "plain"], first_n)
     corrected = [(a, n) for a, n, v in points if v == "corrected"]
     if corrected:

@@ -209,6 +209,10 @@ def test_off_policy_quick(tiny_dir, tmp_path):
     rows = [line for line in result.stdout.splitlines() if line.startswith("| dpo |") and ".." in line]
     assert [row.split(" | ")[1:3] for row in rows] == [["1", "0..1"], ["2", "0..3"]], result.stdout
     assert "| dpo | +" in result.stdout or "| dpo | -" in result.stdout  # the drop from N = 1, paired by seed
+    dips = result.stdout.split("each eighth of its steps")[1].split("\n\n")[1].splitlines()[2:]  # the reward's low
+    assert [row.split(" | ")[:2] for row in dips][:2] == [["| dpo", "1"], ["| dpo", "2"]], result.stdout
+    first, lowest, last = (float(cell.split(" ± ")[0]) for cell in dips[0].strip("| ").split(" | ")[2:5])
+    assert lowest <= min(first, last), dips[0]
     assert "| rloo (recompute + truncated IS) | 2 | 0..3 |" in result.stdout  # the off-policy correction
     assert "rloo N = 2: w from " in result.stdout  # and the weights it applied, summarised
     # the paper's two controls and DPO's two variants (benchmarks/dpo_variants.py), with the lag each run measured
