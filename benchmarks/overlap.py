@@ -33,8 +33,8 @@ class Args:
     num_layers: int = 4
     """depth of the benchmark's model"""
     batch_size: int = 3
-    """prompts per step (x 2 samples): 3 makes training slightly heavier than generation, as in the paper's runs;
-    2 makes generation the heavier phase"""
+    """prompts per step (x 2 samples): 3 made the two phases about equal, as in the paper's runs, on the machine of the
+    first measurement; which phase is heavier depends on the CPU (docs/results.md gives both measurements)"""
     response_length: int = 128
     """tokens per completion (the model is untrained, so completions run to this length)"""
     max_prompt_length: int = 48
