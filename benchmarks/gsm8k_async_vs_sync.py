@@ -94,16 +94,17 @@ if __name__ == "__main__":
     print(f"\nOver {len(args.seeds)} seeds (mean ± standard error over seeds):")
     print("| schedule | split | pass@1 before | pass@1 after | gain (paired by seed, t-test) | training time |")
     print("|---|---|---|---|---|---|")
+    after = {(schedule, key): [runs[schedule, s]["evals"][-1][key] for s in args.seeds]
+             for schedule in ("async", "sync") for key in SPLITS}
     for schedule in ("async", "sync"):
         seconds = [runs[schedule, s]["train_seconds"] for s in args.seeds]
         for key, split in SPLITS.items():
             before = [runs[schedule, s]["evals"][0][key] for s in args.seeds]
-            after = [runs[schedule, s]["evals"][-1][key] for s in args.seeds]
-            print(f"| {schedule} | {split} | {fmt(before)} | {fmt(after)} | {gap(after, before)['text']} | "
-                  f"{fmt(seconds, 1)} s |")
+            print(f"| {schedule} | {split} | {fmt(before)} | {fmt(after[schedule, key])} | "
+                  f"{gap(after[schedule, key], before)['text']} | {fmt(seconds, 1)} s |")
     for key, split in SPLITS.items():
-        after = {schedule: [runs[schedule, s]["evals"][-1][key] for s in args.seeds] for schedule in ("async", "sync")}
-        print(f"async - sync, pass@1 after, {split} (paired by seed): {gap(after['async'], after['sync'])['text']}")
+        print(f"async - sync, pass@1 after, {split} (paired by seed): "
+              f"{gap(after['async', key], after['sync', key])['text']}")
     speedups = [runs["sync", s]["train_seconds"] / runs["async", s]["train_seconds"] for s in args.seeds]
     print(f"\nspeed-up of async over sync (sync time / async time): {fmt(speedups, 2)}; per seed "
           + ", ".join(f"{x:.2f}" for x in speedups) + " (the paper: 218 / 129 min = 1.69)")
