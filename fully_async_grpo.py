@@ -790,7 +790,8 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                 # The cached prefixes hold the old weights' KV: emptied. `recompute`: the running sequences are
                 # preempted too, and re-read prompt and tokens so far under the new weights when next scheduled
                 # (`keep`: they go on with their old KV, and no prefix is cached: see engine_kwargs)
-                engine.reset_prefix_cache(reset_running_requests=bool(running) and go["kv_on_update"] == "recompute")
+                if go["kv_on_update"] == "recompute":
+                    generator_io.reset_prefix_cache(engine, preempt_running=bool(running))
                 loads.append((loaded, load_start, time.time()))
             if eval_request is not None and not running:  # an evaluation: drained, the newest version loaded
                 if idle_since is not None:  # (its time is not idle time)
@@ -876,12 +877,17 @@ def evaluation(llm, request: dict, version: int, stop_id: int, SamplingParams, T
 def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
     """vLLM's engine. processed_logprobs: log-probs of what is sampled, log_softmax(logits / T);
     enforce_eager on CPU only (on GPU, CUDA graphs make generation several times faster). Keeping the KV cache over
-    in-flight loads, no prefix caching: a new request must not reuse a prompt's KV that older weights computed."""
+    in-flight loads, no prefix caching: a new request must not reuse a prompt's KV that older weights computed.
+    The synchronous scheduler, on GPU too (vLLM's GPU default is the asynchronous one, its CPU backend's the
+    synchronous): asynchronously, engine.step() launches step n + 1 before step n's tokens are back (the core's
+    batch queue) and labels tokens with the version set when they come back, not when they were launched, so a
+    token sampled by the old weights just before a load would carry the new version (vLLM's engine core: "weight
+    versions change only while generation is paused"). Exact labels need one step in flight at a time."""
     max_model_len = args.max_prompt_length + max(args.response_length, args.eval_response_length)
     kwargs = dict(model=args.sft_model_path, dtype=args.dtype, seed=args.seed,
                   enforce_eager=not use_cuda, max_model_len=max_model_len,
                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                  logprobs_mode="processed_logprobs")
+                  logprobs_mode="processed_logprobs", async_scheduling=False)
     if args.inflight_updates and args.kv_on_update == "keep":  # (a cached prompt's KV could be older weights')
         kwargs["enable_prefix_caching"] = False
     if not use_cuda:  # size the CPU KV cache for the stream's room: --max_in_flight groups of K

@@ -600,7 +600,7 @@ def generator_main(engine_kwargs: dict, weight_layout: list, requests, results, 
                     torch.cuda.synchronize()
                 loaded_version = request["weights_version"]
             # An empty prefix cache and a seed per prompt: a request depends on its seed and weights
-            llm.reset_prefix_cache()
+            generator_io.reset_prefix_cache(llm.llm_engine)  # (checked: vLLM may refuse)
             sampling = [SamplingParams(n=request["n"], temperature=request["temperature"],
                                        max_tokens=request["max_tokens"], logprobs=0, detokenize=False,
                                        seed=request["seed"] + i * request["n"])

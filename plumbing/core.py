@@ -1,6 +1,7 @@
 """What every run passes through and a reader need not study: checks of the flags (errors that name
 the flag or file), loading models, tokenizers and data, the run's fixed facts, devices and learner
 processes, the collectives between learner ranks, and prompt tokens."""
+import datetime
 import hashlib
 import math
 import os
@@ -262,10 +263,18 @@ def learner_device(world_size: int, gpu: int, generator_cores: int) -> tuple:
     return torch.device("cpu"), generator
 
 
+# How long a learner waits in one collective before it fails. The longest legitimate wait is on rank
+# 0's generator (the other ranks sit in a broadcast, on gloo): vLLM's first build, one generation
+# round, an evaluation, a few minutes on the presets' GPUs; NCCL's default (10 min) could end a run
+# with long completions, and gloo's (30 min) holds the survivors that long when a rank on another node
+# hangs or dies (on one node torchrun stops them all at once). A fork with longer rounds raises it.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=20)
+
+
 def init_learner_group(use_cuda: bool) -> None:
     # A backend per device: DDP/FSDP reduce GPU tensors over NCCL, while the collectives below carry
     # CPU tensors, which NCCL cannot ("cpu:gloo,cuda:nccl")
-    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
 def sampling_seed(seed: int, kind: str, index: int) -> int:

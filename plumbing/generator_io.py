@@ -118,13 +118,42 @@ def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         for stream in (1, 2):
             os.dup2(log_fd, stream)
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
-        os.environ.pop(var, None)
+    for var in [name for name in os.environ if is_torchrun_variable(name)]:
+        os.environ.pop(var)
     os.environ["TMPDIR"] = tempfile.tempdir = run_tmp_dir
     if cores:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
+
+
+# What torchrun's agent sets in each learner's environment to describe the learners' job (torch's
+# LocalElasticAgent._start_workers): vLLM's own one-process group must see none of it, or it joins the
+# learners' rendezvous (TORCHELASTIC_USE_AGENT_STORE: wait on a store server that is not there).
+# Left alone: OMP_NUM_THREADS and TORCH_NCCL_ASYNC_ERROR_HANDLING, settings a user may have made
+# (torchrun passes theirs on), not facts about the learners.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def is_torchrun_variable(name: str) -> bool:
+    return name in TORCHRUN_VARIABLES or name.startswith("TORCHELASTIC_")
+
+
+def reset_prefix_cache(engine, preempt_running: bool = False) -> None:
+    """Empty vLLM's prefix cache after a weight load, so that no request reuses KV that older weights
+    computed. vLLM empties it only when no KV block is in use, and returns False when it did not
+    (`preempt_running`: running requests are preempted first, to re-read their prefixes under the
+    new weights). A block can outlive its request by a step (a free vLLM defers): with nothing left
+    unfinished, step the idle engine once and try again; still held, an error, never stale KV."""
+    for _ in range(2):
+        if engine.reset_prefix_cache(reset_running_requests=preempt_running):
+            return
+        if engine.has_unfinished_requests():
+            break
+        engine.step()
+    raise RuntimeError("vLLM did not empty its prefix cache after a weight update (KV blocks still in use"
+                       f"{', requests running' if engine.has_unfinished_requests() else ''}): a later request "
+                       "would reuse KV cache computed by older weights")
 
 
 def quiet_resource_tracker(log_path: Optional[str]) -> None:

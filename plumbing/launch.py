@@ -37,25 +37,27 @@ def run(main: Callable, args) -> None:
     datasets.disable_progress_bars()
     signal.signal(signal.SIGTERM, functools.partial(on_sigterm, args.save_every))
     code, message = 0, ""
-    with contextlib.ExitStack() as cleanup:
-        try:
-            main(args, cleanup)
-        except GeneratorError as error:  # (every rank has it: Generator.collect shares it)
-            message = f"error: {error}"
-            if core.shares_gpu0():
-                message += ("\n(the learner shares GPU 0 with vLLM: lower "
-                            "--vllm_gpu_memory_utilization)")
-            if args.rank == 0 and not args.verbose:
-                message += f"\nvLLM's log: {args.output_dir}/generator.log"
-            code = 1
-        except KeyboardInterrupt:
-            tqdm.write("interrupted: shutting down the generator", file=sys.stderr)
-            code = 130
-    if message:  # after the clean-up (the progress bar closed): the last lines the user reads
-        print(message, file=sys.stderr, flush=True)
-    if dist.is_initialized():  # once DDP/FSDP state is freed (else gloo may abort the exit)
-        gc.collect()
-        dist.destroy_process_group()
+    try:
+        with contextlib.ExitStack() as cleanup:
+            try:
+                main(args, cleanup)
+            except GeneratorError as error:  # (every rank has it: Generator.collect shares it)
+                message = f"error: {error}"
+                if core.shares_gpu0():
+                    message += ("\n(the learner shares GPU 0 with vLLM: lower "
+                                "--vllm_gpu_memory_utilization)")
+                if args.rank == 0 and not args.verbose:
+                    message += f"\nvLLM's log: {args.output_dir}/generator.log"
+                code = 1
+            except KeyboardInterrupt:
+                tqdm.write("interrupted: shutting down the generator", file=sys.stderr)
+                code = 130
+        if message:  # after the clean-up (the progress bar closed): the last lines the user reads
+            print(message, file=sys.stderr, flush=True)
+    finally:  # on every path, a flag's SystemExit and out-of-memory errors included
+        if dist.is_initialized():  # once DDP/FSDP state is freed (else gloo may abort the exit)
+            gc.collect()
+            dist.destroy_process_group()
     if code:
         raise SystemExit(code)
 

@@ -103,6 +103,31 @@ def test_sigterm_seen_by_one_rank_during_a_save_stops_both(tmp_path):
     assert "went on after the save" not in output
 
 
+def test_the_generator_inherits_none_of_torchruns_variables(tmp_path):
+    """torchrun describes the learners' job in each learner's environment; a generator that inherited it would set
+    vLLM's own one-process group up as a member of that job (TORCHELASTIC_USE_AGENT_STORE: waiting on a store
+    server that is not there). Every variable torchrun adds, found by comparing a learner's environment with the
+    one torchrun was started in, is gone from the generator's, but for the two settings a user may have made and
+    the terminal's size (COLUMNS, LINES: an import in torchrun's own process writes them, and every child has them)."""
+    import json
+
+    output = run_two_ranks("generator_environment", tmp_path)
+    learner, generator = (json.loads((tmp_path / name).read_text()) for name in ("env0.json", "generator.json"))
+    added = set(learner) - set(os.environ) - {"OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "COLUMNS", "LINES"}
+    assert {"RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"} <= added, output[-3000:]
+    assert not added & set(generator), sorted(added & set(generator))
+
+
+def test_the_process_group_is_torn_down_on_every_exit(tmp_path):
+    """A flag refused after the process group is up (SystemExit) and an out-of-memory error both leave launch.run
+    with the group destroyed, and the group waits COLLECTIVE_TIMEOUT in a collective, not torch's default."""
+    output = run_two_ranks("teardown_on_every_exit", tmp_path)
+    assert "rank 0 stopped with SystemExit" in output and "rank 1 stopped with OutOfMemoryError" in output, \
+        output[-3000:]
+    assert output.count("process group left up: False") == 2, output[-3000:]
+    assert output.count(f"group timeout {core.COLLECTIVE_TIMEOUT}") == 2, output[-3000:]
+
+
 @pytest.mark.parametrize("gpus, learners, shares", [(0, 1, False), (0, 2, False), (1, 1, True), (2, 2, True),
                                                     (4, 4, True), (2, 1, False), (4, 3, False), (8, 7, False)])
 def test_every_rank_takes_the_generators_ready_at_the_same_point(gpus, learners, shares):

@@ -73,3 +73,48 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
         if generator.is_alive():
             generator.kill()
     assert generator.exitcode == 0
+
+
+def prefix_cache_resets(sft: str, prompt: list, reports) -> None:
+    """In a spawned process, as in the scripts' generators: a real engine stepped by hand, and what
+    generator_io.reset_prefix_cache does while a request holds KV blocks, once it is preempted, and once idle."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = LLM(model=sft, dtype="float32", seed=1, enforce_eager=True, max_model_len=320,
+                 kv_cache_memory_bytes=2**25).llm_engine
+    seen = {}
+    engine.add_request("0", TokensPrompt(prompt_token_ids=prompt), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the prompt read: its KV blocks are in use
+    try:
+        generator_io.reset_prefix_cache(engine)
+        seen["running"] = "reset"
+    except RuntimeError as error:
+        seen["running"] = str(error)
+    generator_io.reset_prefix_cache(engine, preempt_running=True)  # preempted: to be re-read, so it resets
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [len(out.outputs[0].token_ids) for out in engine.step() if out.finished]
+    generator_io.reset_prefix_cache(engine)  # idle
+    reports.put(dict(seen, finished=finished))
+
+
+def test_a_prefix_cache_reset_vllm_refuses_is_an_error(tiny_dir):
+    """vLLM empties its prefix cache only when no KV block is in use, and says so by returning False, which the
+    scripts used to ignore (prompt KV from older weights would then stay in use, silently). reset_prefix_cache
+    raises instead; with the running request preempted, or the engine idle, it resets, and the request still ends."""
+    sft = os.path.join(tiny_dir, "sft")
+    prompt = core.tokenize_prompts(AutoTokenizer.from_pretrained(sft), ["SUBREDDIT: r/cats\n\nTL;DR:"], 64)[0]
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    process = ctx.Process(target=prefix_cache_resets, args=(sft, prompt, reports))
+    process.start()
+    try:
+        seen = reports.get(timeout=600)
+    finally:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+    assert "did not empty its prefix cache" in seen["running"] and "requests running" in seen["running"], seen
+    assert seen["finished"] == [8], seen

@@ -8,8 +8,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.multiprocessing as mp
+STARTING_ENVIRONMENT = dict(os.environ)  # as torchrun made it, before an import adds its own (COLUMNS, LINES)
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from async_dpo import collect, submit  # noqa: E402
@@ -101,8 +102,59 @@ def one_run_name(folder: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def report_environment(folder: str, reports) -> None:
+    """A stand-in for a generator process: its set-up (become_generator), then its environment."""
+    from plumbing import generator_io
+
+    generator_io.become_generator(None, folder, None)
+    reports.put(dict(os.environ))
+
+
+def generator_environment(folder: str) -> None:
+    """Rank 0 starts a generator process as the scripts do (spawned, set up by become_generator); each rank writes
+    its own environment and rank 0 the generator's to env{RANK}.json and generator.json."""
+    import json
+
+    rank = os.environ["RANK"]
+    with open(os.path.join(folder, f"env{rank}.json"), "w") as f:
+        json.dump(STARTING_ENVIRONMENT, f)
+    if rank == "0":
+        ctx = mp.get_context("spawn")
+        reports = ctx.Queue()
+        process = ctx.Process(target=report_environment, args=(tempfile.mkdtemp(dir=folder), reports))
+        process.start()
+        with open(os.path.join(folder, "generator.json"), "w") as f:
+            json.dump(reports.get(timeout=120), f)
+        process.join()
+
+
+def stops_on(error: BaseException):
+    """A main() for launch.run that sets up the learners' process group, then stops with `error`."""
+
+    def main(args: RunArgs, cleanup) -> None:
+        core.init_learner_group(use_cuda=False)
+        backend = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        print(f"rank {args.rank} group timeout {backend.options._timeout}", flush=True)
+        raise error
+
+    return main
+
+
+def teardown_on_every_exit(folder: str) -> None:
+    """Rank 0 stops with a flag's SystemExit, rank 1 with an out-of-memory error, after the process group is up:
+    launch.run must tear the group down on both paths."""
+    rank = int(os.environ["RANK"])
+    error = SystemExit(2) if rank == 0 else torch.OutOfMemoryError("out of memory (the test's)")
+    try:
+        launch.run(stops_on(error), RunArgs(rank=rank, world_size=int(os.environ["WORLD_SIZE"])))
+    except BaseException as stop:
+        print(f"rank {rank} stopped with {type(stop).__name__}", flush=True)
+    print(f"rank {rank} process group left up: {torch.distributed.is_initialized()}", flush=True)
+
+
 if __name__ == "__main__":
     program, folder = sys.argv[1], sys.argv[2]
     sys.argv = sys.argv[:1]
     {"sigterm_during_a_save": sigterm_during_a_save,
-     "generator_dies_during_a_request": generator_dies_during_a_request, "one_run_name": one_run_name}[program](folder)
+     "generator_dies_during_a_request": generator_dies_during_a_request, "one_run_name": one_run_name,
+     "generator_environment": generator_environment, "teardown_on_every_exit": teardown_on_every_exit}[program](folder)
