@@ -10,27 +10,29 @@ paper reports them: a longer answer tends to win).
 
 The prompt is AlpacaFarm-style pairwise comparison, as the paper's GPT-4o evaluation (a system line, the instruction,
 the two outputs, a one-token verdict); its wording is ours, and the paper's judge saw one order per prompt, where this
-one asks both. Requests run concurrently (--concurrency), each retried on errors with back-off (--max_retries); every
-verdict is appended to --judgements as it arrives, and a second run asks only what is not there yet (resumable).
+one asks both. The requests go through the `openai` package's client (vLLM installs it), --concurrency of them at once:
+it retries what a second try may fix (connection errors, timeouts, 408, 409, 429, 5xx) with its own back-off
+(--max_retries); a request refused (400: too long, an unknown model) or a reply with no text is not asked again at once
+and counts as failed. Every verdict is appended to --judgements as it arrives, and a second run asks only what is not
+there yet (resumable), the failed orders included.
 
     python benchmarks/judge.py runs/my_run --base_url https://api.openai.com/v1 --model gpt-4o-2024-08-06
     python benchmarks/judge.py runs/my_run --base_url http://localhost:8000/v1 --model my-judge   # vllm serve
 """
-import http.client
 import json
 import math
 import os
 import re
 import statistics
 import sys
-import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
+import openai
 import tyro
+from openai.types.chat import ChatCompletion
 
 SYSTEM = "You are a helpful assistant who judges which of two answers to an instruction is better."
 TEMPLATE = """Select the output, (a) or (b), that best matches the instruction: the one that follows it most \
@@ -59,15 +61,16 @@ class Args:
     model: str = "gpt-4o-2024-08-06"
     """the judge model's name at that endpoint"""
     api_key_env: str = "OPENAI_API_KEY"
-    """environment variable holding the API key (a local server needs none)"""
+    """environment variable holding the API key (the OpenAI API needs one; a local server none)"""
     judgements: Optional[str] = None
     """where verdicts are appended, and read back to resume (default: judgements.jsonl beside the completions)"""
     concurrency: int = 8
     """requests in flight at once"""
     max_retries: int = 5
-    """retries of a failed request (back-off 1, 2, 4, ... s); after them the order is left for the next run"""
+    """the openai client's retries of a request that failed in transit or with 408/409/429/5xx (back-off 0.5, 1, 2, ...
+    up to 8 s, or the server's Retry-After); after them the order is left for the next run"""
     timeout: float = 120.0
-    """seconds a request may take"""
+    """seconds the client waits on the server (to connect, for the reply), each try"""
     max_tokens: int = 16
     """the judge's reply length (a verdict is a few tokens)"""
     limit: Optional[int] = None
@@ -81,32 +84,48 @@ def instruction_text(prompt) -> str:
     return "\n\n".join(f"{turn['role']}: {turn['content']}" for turn in prompt)
 
 
-def ask(args: Args, api_key: Optional[str], item: dict, policy_first: bool) -> dict:
-    """One verdict: the reply, and which answer it names ('policy', 'reference', or None: unparsed); after
-    --max_retries failures, the error instead."""
+def api_key(args: Args) -> str:
+    """The key from --api_key_env. The OpenAI API refuses a request without one, so its absence ends the run before
+    asking anything; a local server (`vllm serve`) checks none, but the client wants one: a placeholder."""
+    key = os.environ.get(args.api_key_env)
+    if key:
+        return key
+    if urllib.parse.urlparse(args.base_url).hostname == "api.openai.com":
+        sys.exit(f"--base_url {args.base_url} needs an API key: set {args.api_key_env} (or name another variable "
+                 "with --api_key_env)")
+    return "EMPTY"
+
+
+def reply_text(completion: ChatCompletion) -> str:
+    """The reply's text. The client checks the status and that the body is JSON, not its shape (a server may leave out
+    fields we do not read), so a reply with no choice or no text is caught here, as a ValueError."""
+    try:
+        choice = completion.choices[0]
+        content = choice.message.content
+    except (AttributeError, IndexError, KeyError, TypeError) as error:
+        raise ValueError(f"a reply of another shape ({type(error).__name__}: {error})") from None
+    if not isinstance(content, str):  # (None when the judge ran out of --max_tokens thinking, or refused)
+        raise ValueError(f"the reply's content is {content!r}, not text (finish_reason {choice.finish_reason!r})")
+    return content
+
+
+def ask(client: openai.OpenAI, args: Args, item: dict, policy_first: bool) -> dict:
+    """One verdict: the reply, and which answer it names ('policy', 'reference', or None: unparsed); or the error,
+    after the client's retries. A reply the server sent whole but with no text is not asked again here: at
+    temperature 0 the same request gets the same reply, and the next run asks the order again anyway."""
     first, second = (item["response"], item["reference"]) if policy_first else (item["reference"], item["response"])
-    body = json.dumps(dict(model=args.model, temperature=0.0, max_tokens=args.max_tokens, messages=[
-        dict(role="system", content=SYSTEM),
-        dict(role="user", content=TEMPLATE.format(instruction=instruction_text(item["prompt"]), first=first.strip(),
-                                                  second=second.strip()))])).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    for attempt in range(args.max_retries + 1):
-        try:
-            request = urllib.request.Request(args.base_url.rstrip("/") + "/chat/completions", body, headers)
-            with urllib.request.urlopen(request, timeout=args.timeout) as response:
-                reply = json.load(response)["choices"][0]["message"]["content"] or ""
-            if not isinstance(reply, str):
-                raise TypeError(f"the reply's content is {type(reply).__name__}, not text")
-            break
-        # A reply of another shape (no choices, a null), not JSON, or cut short (IncompleteRead: an HTTPException,
-        # not an OSError) is a failed attempt too
-        except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException, KeyError, IndexError,
-                TypeError, json.JSONDecodeError, UnicodeDecodeError) as error:
-            refused = isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (
-                408, 429)  # the request itself is wrong (too long, unknown model): asking again will not help
-            if attempt == args.max_retries or refused:
-                return dict(error=f"{type(error).__name__}: {error}")
-            time.sleep(2**attempt)
+    messages = [dict(role="system", content=SYSTEM),
+                dict(role="user", content=TEMPLATE.format(instruction=instruction_text(item["prompt"]),
+                                                          first=first.strip(), second=second.strip()))]
+    try:
+        completion = client.chat.completions.create(model=args.model, messages=messages, temperature=0.0,
+                                                    max_tokens=args.max_tokens)
+        reply = reply_text(completion)
+    # The client's typed errors (APIConnectionError, APITimeoutError, APIStatusError: RateLimitError,
+    # BadRequestError, ...), a body not JSON (its json.JSONDecodeError or UnicodeDecodeError) or of another shape
+    except (openai.APIError, ValueError) as error:
+        cause = f" ({error.__cause__!r})" if error.__cause__ else ""  # (a connection error's own says why)
+        return dict(error=f"{type(error).__name__}: {error}{cause}")
     match = VERDICT.search(reply)
     named = None if match is None else ("a" if match.group(1).lower() == "a" else "b")
     winner = None if named is None else ("policy" if (named == "a") == policy_first else "reference")
@@ -127,12 +146,15 @@ if __name__ == "__main__":
             if verdict["index"] < len(items):  # one for a prompt past --limit stays in the file, uncounted
                 done[verdict["index"], verdict["policy_first"]] = verdict
     todo = [(i, order) for i in range(len(items)) for order in (True, False) if (i, order) not in done]
+    key = api_key(args) if todo else "EMPTY"  # (nothing to ask: the results need no key)
     print(f"{len(items)} prompts, both orders: {len(done)} verdicts already in {judgements_path}, asking "
           f"{len(todo)} of {args.model} at {args.base_url}", flush=True)
 
-    api_key, failed, first_error = os.environ.get(args.api_key_env), 0, None
-    with ThreadPoolExecutor(args.concurrency) as pool, open(judgements_path, "a") as out:
-        futures = [(i, order, pool.submit(ask, args, api_key, items[i], order)) for i, order in todo]
+    client = openai.OpenAI(base_url=args.base_url, api_key=key, max_retries=args.max_retries,
+                           timeout=args.timeout)  # (one for all threads: it is thread-safe)
+    failed, first_error = 0, None
+    with client, ThreadPoolExecutor(args.concurrency) as pool, open(judgements_path, "a") as out:
+        futures = [(i, order, pool.submit(ask, client, args, items[i], order)) for i, order in todo]
         for i, order, future in futures:
             verdict = future.result()
             if "error" in verdict:  # not written: asked again next run
@@ -151,8 +173,8 @@ if __name__ == "__main__":
             scores.append(sum(wins) / len(wins))
     first_wins = [v["winner"] == "policy" for (_, order), v in done.items() if order and v["winner"]]
     second_wins = [v["winner"] == "policy" for (_, order), v in done.items() if not order and v["winner"]]
-    print(f"verdicts: {len(done)} of {2 * len(items)} ({failed} failed after retries this run: run again to ask "
-          f"them), {unparsed} unparsed (the reply named neither output)")
+    print(f"verdicts: {len(done)} of {2 * len(items)} ({failed} failed this run: run again to ask them), {unparsed} "
+          "unparsed (the reply named neither output)")
     if first_error:  # (a wrong --base_url, key or model fails every request the same way)
         print(f"the first failure: {first_error[:300]}")
     if scores:
