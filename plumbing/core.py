@@ -245,6 +245,8 @@ def learner_device(world_size: int, gpu: int, generator_cores: int) -> tuple:
     """This learner's device, GPU `gpu` of its node if there are GPUs (and its process group, under
     torchrun); on CPU the generator gets cores of its own (the last ones). Returns the device and the
     generator's cores."""
+    if torch.cuda.is_available():
+        refuse_expandable_segments(os.environ)
     if world_size > 1:
         init_learner_group(torch.cuda.is_available())
     if torch.cuda.is_available():
@@ -261,6 +263,16 @@ def learner_device(world_size: int, gpu: int, generator_cores: int) -> tuple:
     os.sched_setaffinity(0, learner_cores)
     torch.set_num_threads(max(1, len(learner_cores) // world_size))
     return torch.device("cpu"), generator
+
+
+def refuse_expandable_segments(environ) -> None:
+    """The weight buffer reaches the generator by CUDA IPC, which torch's expandable segments (CUDA's virtual
+    memory API) turn into a file-descriptor hand-off that containers often forbid (pytorch/pytorch#165685:
+    "pidfd_getfd: Operation not permitted"), reserving more virtual memory per import (#186213): refused early."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in environ.get(name, "").replace(" ", "").lower():
+            fail(f"{name}={environ[name]}: expandable segments break the CUDA IPC hand-off of the weight buffer "
+                 f"to the generator in many containers; unset expandable_segments (or set it to False)")
 
 
 # How long a learner waits in one collective before it fails. The longest legitimate wait is on rank

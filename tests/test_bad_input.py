@@ -97,3 +97,20 @@ def test_an_evaluation_split_smaller_than_the_learners_is_refused_on_every_rank(
     # (torchrun prints a traceback of its own when a rank fails; none passes through the script)
     assert result.returncode != 0 and 'async_dpo.py", line' not in result.stderr, result.stderr[-3000:]
     assert result.stderr.count("the validation split has 1 prompt(s), fewer than the 2 learner processes") == 2
+
+
+@pytest.mark.parametrize("environ, refused", [
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments: true"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False), ({}, False)])
+def test_expandable_segments_are_refused_before_cuda_starts(environ, refused, capsys):
+    """On a GPU the weight buffer reaches the generator by CUDA IPC, which expandable segments break in many
+    containers (a failure deep in the generator's first load): refused at the start, naming the variable."""
+    from plumbing import core
+
+    if not refused:
+        core.refuse_expandable_segments(environ)
+        return
+    with pytest.raises(SystemExit) as stop:
+        core.refuse_expandable_segments(environ)
+    assert stop.value.code == 2 and f"error: {next(iter(environ))}=" in capsys.readouterr().err
