@@ -695,18 +695,20 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
 
     # What the step logs: means over all ranks' response tokens, or their episodes. The lag: how far
     # the policy is from the weights that sampled the batch (KL(mu || pi), k3 of the sequence
-    # log-ratio; main() adds how far the step moved the policy, ||delta theta|| / ||theta||)
+    # log-ratio, and per token, k3 of each token's log-ratio, whose floor does not grow with the
+    # length; main() adds how far the step moved the policy, ||delta theta|| / ||theta||)
     policy_loss, value_loss, policy_clipped, approx_kl, ratio, value_clipped, entropy, generator_gap = torch.cat(
         outputs, dim=1)
     kl, scores, terms = mini_batch["kl"].sum(1), mini_batch["scores"], mini_batch["is_terms"]
-    generator_gap = generator_gap.sum(1).double()
+    token_gap, generator_gap = generator_gap.double(), generator_gap.sum(1).double()
     stats = core.step_stats(args.world_size, {
         "loss/policy": (policy_loss, mask), "loss/value": (value_loss, mask),
         "policy/clipfrac": (policy_clipped, mask), "policy/approx_kl": (approx_kl, mask),
         "policy/ratio_mean": (ratio, mask), "value/clipfrac": (value_clipped, mask),
         "objective/entropy": entropy.sum(1), "objective/kl": kl, "objective/rlhf_reward": scores - args.kl_coef * kl,
         "reward/mean": scores, "eos/fraction": mini_batch["eos"], "logps/generator_gap": generator_gap,
-        "lag/kl": torch.expm1(generator_gap) - generator_gap},
+        "lag/kl": torch.expm1(generator_gap) - generator_gap,
+        "lag/kl_token": (torch.expm1(token_gap) - token_gap, mask)},
         spread=("logps/generator_gap",), maxima={"policy/ratio_max": (ratio * mask).max().item()},
         lengths=mask.sum(1), cut=1 - mini_batch["eos"])
     stats["objective/non_score_reward"] = -args.kl_coef * stats["objective/kl"]

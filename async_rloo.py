@@ -591,7 +591,7 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run
     """One optimizer step on a mini-batch (gradients accumulated over its micro-batches): the mean
     loss over all ranks' completions (DDP/FSDP average over ranks: the world_size factor)."""
     steps = args.gradient_accumulation_steps
-    size, outputs = args.per_device_train_batch_size * args.num_samples, []
+    size, outputs, token_gaps = args.per_device_train_batch_size * args.num_samples, [], []
     for i in range(steps):
         micro = {key: value[i * size: (i + 1) * size] for key, value in mini_batch.items()}
         # FSDP2 reduce-scatters every micro-batch (skipping it would hold full, unsharded float32
@@ -600,8 +600,8 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run
         inputs, response_mask = collate(micro["prompts"], micro["responses"], run.pad_id, run.device)
         with learner.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast:
             logits = response_logits(learner, inputs, response_mask.shape[1])
-            logps = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
-            logps = logps.sum(1)  # the sequence's log-prob
+            token_logps = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
+            logps = token_logps.sum(1)  # the sequence's log-prob
             old_logps, advantages = micro["old_logps"].to(run.device), micro["advantages"].to(run.device)
             losses, ratio, clipped = rloo_loss(logps, old_logps, advantages, args.cliprange)
             if args.loss == "copg":  # ALGO: the control: the same terms without ratio or clip
@@ -611,21 +611,28 @@ def rloo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run
             losses = losses * micro["is_factor"].to(run.device)  # (1 without --is_correction)
             (losses.sum() * args.world_size / (args.batch_size * args.num_samples)).backward()
         outputs.append(torch.stack([losses, logps, ratio, clipped.float()]).detach().cpu())
+        # The lag per token: learner minus generator log-prob of each response token (0 on padding)
+        width = response_mask.shape[1]
+        token_gap = (token_logps.detach().cpu() - micro["generator_logprobs"][:, :width]) * response_mask.cpu()
+        token_gaps.append(F.pad(token_gap, (0, mini_batch["response_mask"].shape[1] - width)))
     grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
     # What the step logs: means over all ranks' completions. The lag: how far the policy is from
-    # the weights that sampled the batch (KL(mu || pi), k3 of the sequence log-ratio; main() adds how
-    # far the step moved it, ||delta theta|| / ||theta||)
+    # the weights that sampled the batch (KL(mu || pi), k3 of the sequence log-ratio, and per token,
+    # k3 of each token's log-ratio, whose floor does not grow with the length; main() adds how far
+    # the step moved it, ||delta theta|| / ||theta||)
     losses, logps, ratio, clipped = torch.cat(outputs, dim=1)
     old_gap, mask = logps - mini_batch["old_logps"], mini_batch["response_mask"]
     generator_gap = (logps - mini_batch["generator_logps"]).double()
+    token_gap = torch.cat(token_gaps).double()
     stats = core.step_stats(args.world_size, {
         "loss/policy": losses, "policy/clipfrac": clipped, "policy/ratio_mean": ratio,
         "policy/approx_kl": 0.5 * old_gap**2, "logps/generator_gap": generator_gap,
         "lag/kl": torch.expm1(generator_gap) - generator_gap,
+        "lag/kl_token": (torch.expm1(token_gap) - token_gap, mask),
         "objective/kl": mini_batch["kl"], "objective/rlhf_reward": mini_batch["rewards"],
         "reward/mean": mini_batch["scores"], "eos/fraction": mini_batch["eos"]},
         spread=("logps/generator_gap",), maxima={"policy/ratio_max": ratio.max().item()},

@@ -612,15 +612,18 @@ def grpo_update(learner, optimizer, scheduler, rollout: dict, args: Args, run: c
     optimizer.zero_grad(set_to_none=True)
 
     # What the step logs, over all ranks: the ratio and the importance weight over the tokens (1 and 1 at the first
-    # step: the sampler had the learner's weights), the clip fraction, the entropy, the reward, the lag
+    # step: the sampler had the learner's weights), the clip fraction, the entropy, the reward, the lag (KL(mu || pi):
+    # k3 of the sequence log-ratio, and per token, k3 of each token's log-ratio, whose floor does not grow with the
+    # length)
     ratio, weight, clipped, entropy, gap = torch.cat(outputs, dim=1)
     mask, rewards = rollout["response_mask"], rollout["rewards"]
     sequence_gap = gap.sum(1).double()  # log pi(y) - log mu(y) with the weights at the step's start
+    token_gap = gap.double()  # log pi(y_t | ...) - log mu(y_t | ...), 0 on padding
     return {"grad/norm": grad_norm, **core.step_stats(args.world_size, {
         "policy/ratio_mean": (ratio, mask), "is/weight_mean": (weight, mask), "policy/clipfrac": (clipped, mask),
         "objective/entropy": (entropy, mask), "reward/accuracy": rewards, "eos/fraction": rollout["ended"],
-        "lag/kl": torch.expm1(sequence_gap) - sequence_gap, "advantage/zero_fraction": (
-            rollout["advantages"].abs() < 1e-8).float()},
+        "lag/kl": torch.expm1(sequence_gap) - sequence_gap, "lag/kl_token": (torch.expm1(token_gap) - token_gap, mask),
+        "advantage/zero_fraction": (rollout["advantages"].abs() < 1e-8).float()},
         maxima={"policy/ratio_max": ratio.max().item(), "is/weight_max": weight.max().item()})}
 
 

@@ -514,13 +514,19 @@ def make_pairs(batch: dict, prompts: list, my_prompts, reward_model, args: Args,
     chosen, rejected, valid = select_pairs(scores)
     first = torch.arange(len(prompts)) * K  # each prompt's first completion
     chosen, rejected = first + chosen, first + rejected
-    generator_logps = torch.tensor([batch["logprobs"][i] for i in completions])
+    # vLLM's log-prob of each token, cut as the response is; their sum, each completion's log mu(y)
+    width = max(map(len, responses))
+    generator_logprobs = torch.tensor([batch["logprobs"][i][: len(r)] + [0.0] * (width - len(r))
+                                       for i, r in zip(completions, responses)])
+    generator_logps = generator_logprobs.sum(1)
     return dict(prompts=prompts, chosen=[responses[i] for i in chosen],
                 rejected=[responses[i] for i in rejected], valid=valid.float(), scores=scores,
                 eos=torch.tensor(has_eos, dtype=torch.float).view(-1, K),  # [prompt, k]
                 lengths=torch.tensor([len(r) for r in responses]).view(-1, K),
                 generator_chosen_logps=generator_logps[chosen],
                 generator_rejected_logps=generator_logps[rejected],
+                generator_chosen_logprobs=generator_logprobs[chosen],  # [prompt, longest of the round]
+                generator_rejected_logprobs=generator_logprobs[rejected],
                 sampled=dict(responses=responses, chosen=chosen, rejected=rejected,
                              generator_logps=generator_logps))
 
@@ -540,7 +546,7 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
     valid = mini_batch["valid"]
     num_valid = max(core.reduce_sums({"n": valid.sum().item()}, args.world_size)["n"], 1.0)
     steps = args.gradient_accumulation_steps
-    size, outputs = args.per_device_train_batch_size, []
+    size, outputs, token_outputs = args.per_device_train_batch_size, [], []
     for i in range(steps):
         micro = {key: value[i * size: (i + 1) * size] for key, value in mini_batch.items()}
         # FSDP2 reduce-scatters every micro-batch (skipping it would hold full, unsharded float32
@@ -552,7 +558,8 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
                                         responses, run.pad_id, run.device)
         with learner.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast:
             logits = response_logits(learner, inputs, response_mask.shape[1])
-            logps = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature).sum(1)
+            token_logps = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
+            logps = token_logps.sum(1)
             ref_chosen, ref_rejected, micro_valid = (micro[key].to(run.device) for key in (
                 "ref_chosen_logps", "ref_rejected_logps", "valid"))
             if args.loss == "dpo":
@@ -565,6 +572,14 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
                 raise ValueError(f"unknown --loss {args.loss}")
             (losses * micro_valid).sum().mul(args.world_size / num_valid).backward()
         outputs.append(torch.stack([losses, chosen_logps, rejected_logps]).detach().cpu())
+        # The lag per token: learner minus generator log-prob of each token read, rows as `responses`
+        # (chosen, then rejected; SFT: the chosen alone), each weighted by its pair's validity
+        token_mask, rows = response_mask.float().cpu(), len(responses)
+        generator = torch.cat([micro["generator_chosen_logprobs"], micro["generator_rejected_logprobs"]])
+        width = generator.shape[1]  # (the round's longest completion: every micro-batch padded to it)
+        token_gap = (token_logps.detach().cpu() - generator[:rows, : token_mask.shape[1]]) * token_mask
+        token_weights = token_mask * micro["valid"].repeat(2)[:rows, None]
+        token_outputs.append(F.pad(torch.stack([token_gap, token_weights]), (0, width - token_mask.shape[1])))
     grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
     optimizer.step()
     scheduler.step()
@@ -572,8 +587,10 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
 
     # What the step logs: means over all ranks' valid pairs, prompts and completions. The lag: how
     # far the policy is from the weights that sampled the batch (KL(mu || pi), k3 of the sequence
-    # log-ratio, over the completions the step read; main() adds how far the step moved it)
+    # log-ratio, over the completions the step read, and per token, k3 of each token's log-ratio,
+    # whose floor does not grow with the length; main() adds how far the step moved it)
     losses, chosen_logps, rejected_logps = torch.cat(outputs, dim=1)  # (rejected: NaN for SFT)
+    token_gap, token_weights = torch.cat(token_outputs, dim=1).double()
     scores, read = mini_batch["scores"], [(chosen_logps, mini_batch["generator_chosen_logps"])]
     if args.loss == "dpo":
         read.append((rejected_logps, mini_batch["generator_rejected_logps"]))
@@ -585,6 +602,7 @@ def dpo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
         **({"logps/rejected": (rejected_logps, valid)} if args.loss == "dpo" else {}),
         "logps/generator_gap": (generator_gap, read_valid), "reward/mean": scores.mean(1),
         "lag/kl": (torch.expm1(generator_gap) - generator_gap, read_valid), "objective/kl": mini_batch["kl"],
+        "lag/kl_token": (torch.expm1(token_gap) - token_gap, token_weights),
         "reward/chosen": scores.max(1).values, "reward/rejected": scores.min(1).values,
         "pairs/tie_fraction": 1 - valid, "eos/fraction": mini_batch["eos"].mean(1)},
         spread=("logps/generator_gap",), lengths=mini_batch["lengths"], cut=1 - mini_batch["eos"])}
@@ -666,7 +684,8 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
             results.put(dict({k: v for k, v in request.items() if k != "prompts"},
                              generation_version=loaded_version,
                              responses=[list(c.token_ids) for c in completions],
-                             logprobs=[c.cumulative_logprob for c in completions],
+                             logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)]
+                                       for c in completions],
                              weight_load_start=load_start, generation_start=generation_start,
                              generation_end=time.time()))  # one clock for both processes
     except BaseException:

@@ -6,9 +6,9 @@ sync_baseline.py; under torchrun too:
 
 Only the generator process differs: it builds a transformers model where sync_baseline.py builds a vLLM engine,
 loads each new version from the same weight buffer, and samples with `generate` at the temperature alone (no top-k
-or top-p, as the learner's log-probs assume), seeded by the request, returning each completion's log-prob at that
-temperature. On a GPU it runs where vLLM would (GPU 0); on a CPU it is not given cores of its own: generation and
-training take turns, so each gets every core (`--generator_cores 0`).
+or top-p, as the learner's log-probs assume), seeded by the request, returning each token's log-prob at that
+temperature (as vLLM's generator does). On a GPU it runs where vLLM would (GPU 0); on a CPU it is not given cores
+of its own: generation and training take turns, so each gets every core (`--generator_cores 0`).
 """
 import os
 import sys
@@ -57,8 +57,8 @@ def hf_generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, re
 
 @torch.no_grad()
 def sample(model, request: dict, stop_id: int, device: torch.device, chunk: int = 16) -> tuple[list, list]:
-    """n completions per prompt (prompt-major, as vLLM returns them), each cut after its first stop token, and the
-    sum of its tokens' log-probs at the temperature (log_softmax(logits / T), as vLLM's processed log-probs)."""
+    """n completions per prompt (prompt-major, as vLLM returns them), each cut after its first stop token, and its
+    tokens' log-probs at the temperature (log_softmax(logits / T), as vLLM's processed log-probs)."""
     torch.manual_seed(request["seed"])  # a request's own seed, as vLLM's (a resumed run samples it again)
     responses, logprobs, prompts = [], [], request["prompts"]
     for start in range(0, len(prompts), chunk):
@@ -74,7 +74,7 @@ def sample(model, request: dict, stop_id: int, device: torch.device, chunk: int 
         for tokens, scores in zip(out.sequences[:, width:].tolist(), token_logprobs.float().tolist()):
             length = tokens.index(stop_id) + 1 if stop_id in tokens else len(tokens)
             responses.append(tokens[:length])
-            logprobs.append(sum(scores[:length]))
+            logprobs.append(scores[:length])
     return responses, logprobs
 
 

@@ -13,7 +13,7 @@ from plumbing import metrics
 
 STEP_METRICS = ["step", "episode", "staleness", "time/generation", "time/training", "time/weight_sync",
                 "time/learner_wait", "time/step", "reward/mean", "reward/chosen", "reward/rejected", "loss/dpo",
-                "logps/chosen", "logps/rejected", "eos/fraction", "lag/update", "lr"]
+                "logps/chosen", "logps/rejected", "eos/fraction", "lag/kl", "lag/kl_token", "lag/update", "lr"]
 EVAL_METRICS = ["eval/proxy_win_rate", "eval/proxy_win_rate_stderr", "eval/proxy_reward", "eval/gold_win_rate",
                 "eval/gold_win_rate_stderr", "eval/gold_reward", "eval/perplexity", "eval/perplexity_paper",
                 "eval/num_prompts", "time/elapsed"]
@@ -82,9 +82,12 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     # differ once the learner is a step ahead: the weights and the temperature scaling reach the generator intact
     gaps = [abs(r["logps/generator_gap"]) for r in steps]
     assert gaps[0] < 1e-4 and sorted(gaps[1:])[len(gaps) // 2] > 1e-3
-    # so the lag, KL(mu || pi) on the sampled pairs, is ~0 at step 1 and then positive; every step moves the weights
-    lags = [r["lag/kl"] for r in steps]
-    assert lags[0] < 1e-8 and min(lags[1:]) > 100 * lags[0] and all(r["lag/update"] > 0 for r in steps)
+    # so the lag, KL(mu || pi) on the sampled pairs (per completion, and per token), is ~0 at step 1 and then
+    # positive; every step moves the weights
+    for key in ("lag/kl", "lag/kl_token"):
+        lags = [r[key] for r in steps]
+        assert lags[0] < 1e-8 and min(lags[1:]) > 100 * lags[0], (key, lags[:3])
+    assert all(r["lag/update"] > 0 for r in steps)
     # the sampled KL(mu || ref) of the generating weights: ~0 while they are the SFT weights (steps 1 and 2), then
     # the policy leaves the reference (measured: ~1.8 nats over the last ten steps)
     kls = [r["objective/kl"] for r in steps]

@@ -45,10 +45,9 @@ def test_replacing_the_training_reward_leaves_the_evaluation_judges_alone(script
     responses = references["tokens"][1:] + references["tokens"][:1]  # another prompt's reference as the answer
 
     def train_scores() -> torch.Tensor:  # the scores a training round gives these completions, K = 2 a prompt
-        per_token = script in ("async_ppo", "async_rloo")
         batch = dict(responses=[r for r in responses for _ in range(2)],
-                     logprobs=[[0.0] * len(r) if per_token else 0.0 for r in responses for _ in range(2)])
-        make = module.make_episodes if per_token else module.make_pairs
+                     logprobs=[[0.0] * len(r) for r in responses for _ in range(2)])  # (per token, every script)
+        make = module.make_episodes if script in ("async_ppo", "async_rloo") else module.make_pairs
         return make(batch, prompts, list(range(len(prompts))), reward_models["proxy"], args, run)["scores"]
 
     before = module.evaluate(responses, prompts, references, reward_models, ref_policy, args, run)

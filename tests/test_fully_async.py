@@ -177,6 +177,7 @@ def test_k_zero_is_on_policy_and_a_dead_generator_stops_the_run(chains_dir, tmp_
     steps, _ = stream_metrics(tmp_path)
     assert all(r["staleness/max"] == 0 for r in steps)
     assert all(abs(r["is/weight_mean"] - 1) < 1e-5 and abs(r["policy/ratio_mean"] - 1) < 1e-5 for r in steps)
+    assert all(r["lag/kl"] < 1e-8 and r["lag/kl_token"] < 1e-8 for r in steps)  # (the lag, per completion and token)
     # (k = 0: the generator waits while the learner trains, and its idle time counts that wait)
     idle_seconds = steps[-1]["idle/generator_fraction"] * steps[-1]["time/elapsed"]
     assert idle_seconds > 0.8 * sum(r["time/training"] for r in steps[:-1]), steps

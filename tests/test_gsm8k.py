@@ -79,7 +79,8 @@ def test_evaluation_set_puts_training_evaluations_first_and_labels_each_split(gs
 
 
 STEP_METRICS = ["step", "staleness", "reward/accuracy", "pairs/fraction", "loss/dpo", "logps/generator_gap",
-                "lag/kl", "lag/update", "time/generation", "time/training", "time/learner_wait", "eos/fraction"]
+                "lag/kl", "lag/kl_token", "lag/update", "time/generation", "time/training", "time/learner_wait",
+                "eos/fraction"]
 
 
 def run_gsm8k(gsm8k_dir: str, out, *flags: str) -> tuple[list, list, str]:
@@ -94,8 +95,11 @@ def test_tiny_gsm8k_demo_learns_with_staleness_one(gsm8k_dir, tmp_path):
     assert [r["step"] for r in evals] == [0, 25, 50, 75, 100]
     assert all(r["eval/num_prompts"] == 400 and 0 < r["eval/pass_at_1_stderr"] < 0.05 for r in evals)
     assert all(0 < r["eval/test_unseen_facts/pass_at_1"] < 1 for r in evals)  # the second split, reported
-    # vLLM's log-probs equal the learner's at step 1 (same weights)
+    # vLLM's log-probs equal the learner's at step 1 (same weights), token by token; then the lag shows the staleness
     assert abs(steps[0]["logps/generator_gap"]) < 1e-4
+    for key in ("lag/kl", "lag/kl_token"):
+        lags = [r[key] for r in steps]
+        assert lags[0] < 1e-8 and min(lags[1:]) > 100 * lags[0], (key, lags[:3])
     # The accuracy of its samples on training problems, last 10 steps against the first 10, rises by a standard error
     # of the difference from the steps' own spread (measured: 0.355 -> 0.423, 2.6 standard errors)
     assert mean_rises([r["reward/accuracy"] for r in steps[:10]], [r["reward/accuracy"] for r in steps[-10:]], 1.0)

@@ -29,8 +29,8 @@ CPU = torch.device("cpu")
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "loss/value", "policy/clipfrac", "policy/approx_kl",
                 "policy/ratio_mean", "policy/ratio_max", "value/clipfrac", "value/explained_variance",
                 "objective/kl", "objective/non_score_reward", "objective/entropy", "objective/rlhf_reward",
-                "reward/mean", "eos/fraction", "logps/generator_gap", "lag/kl", "lag/update", "time/generation",
-                "time/training", "time/weight_sync", "time/learner_wait", "lr"]
+                "reward/mean", "eos/fraction", "logps/generator_gap", "lag/kl", "lag/kl_token", "lag/update",
+                "time/generation", "time/training", "time/weight_sync", "time/learner_wait", "lr"]
 
 
 def test_gae_matches_a_hand_computed_example():
@@ -159,6 +159,9 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
     assert abs(first["policy/ratio_mean"] - 1) < 1e-4 and first["policy/ratio_max"] < 1 + 1e-3
     assert first["policy/approx_kl"] < 1e-7 and abs(first["logps/generator_gap"]) < 1e-3
     assert sorted(r["policy/approx_kl"] for r in later)[10] > 1e-5 and max(r["policy/ratio_max"] for r in later) > 1.05
+    # the lag, per completion and per token: ~0 at step 1, far above that once the learner is a step ahead
+    for key in ("lag/kl", "lag/kl_token"):
+        assert first[key] < 1e-8 and min(r[key] for r in steps[1:]) > 100 * first[key], (key, first[key])
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60] and all(set(EVAL_METRICS) <= set(r) for r in evals)
     # The policy optimises the proxy; the gold model judges it better: win rates up by several standard errors (the
     # run's own; see assert_win_rate_rises), and a higher proxy mean score (how much higher depends on the build)

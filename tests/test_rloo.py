@@ -21,8 +21,8 @@ from plumbing import core
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "policy/clipfrac", "policy/approx_kl",
                 "policy/ratio_mean", "policy/ratio_max", "objective/kl", "objective/non_score_reward",
                 "objective/rlhf_reward", "advantage/std", "reward/mean", "eos/fraction", "logps/generator_gap",
-                "lag/kl", "lag/update", "time/generation", "time/training", "time/weight_sync", "time/learner_wait",
-                "lr"]
+                "lag/kl", "lag/kl_token", "lag/update", "time/generation", "time/training", "time/weight_sync",
+                "time/learner_wait", "lr"]
 
 
 def test_leave_one_out_advantages_k2():
@@ -78,6 +78,9 @@ def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_p
     assert abs(first["policy/ratio_mean"] - 1) < 1e-4 and first["policy/ratio_max"] < 1 + 1e-3
     assert first["policy/approx_kl"] < 1e-7
     assert sorted(r["policy/approx_kl"] for r in later)[10] > 1e-5 and max(r["policy/ratio_max"] for r in later) > 1.05
+    # the lag, per completion and per token: ~0 at step 1, far above that once the learner is a step ahead
+    for key in ("lag/kl", "lag/kl_token"):
+        assert first[key] < 1e-8 and min(r[key] for r in steps[1:]) > 100 * first[key], (key, first[key])
     assert [r["step"] for r in evals] == [0, 15, 30, 45, 60] and all(set(EVAL_METRICS) <= set(r) for r in evals)
     # The policy optimises the proxy and gold judges it better: win rates up by several standard errors (the run's
     # own; see assert_win_rate_rises), and a higher proxy mean score (how much higher depends on the build)

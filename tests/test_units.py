@@ -283,6 +283,7 @@ def test_best_of_k_sft_trains_on_the_best_completions_of_prompts_that_do_not_tie
     mini_batch = dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=valid, scores=torch.zeros(2, 2),
                       eos=torch.ones(2, 2), lengths=torch.tensor([[3, 2], [1, 1]]),
                       generator_chosen_logps=torch.zeros(2), generator_rejected_logps=torch.zeros(2),
+                      generator_chosen_logprobs=torch.zeros(2, 3), generator_rejected_logprobs=torch.zeros(2, 3),
                       kl=torch.zeros(2), ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
     sft = os.path.join(tiny_dir, "sft")
     by_hand = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
@@ -318,6 +319,81 @@ def test_the_lag_kl_is_an_unbiased_k3_estimate_and_the_update_is_relative():
         model.weight[0, 0] += 0.6
         model.bias[1] -= 0.8  # ||delta theta|| = 1
     assert core.relative_update(model, before, world_size=1) == pytest.approx(1 / math.sqrt(12))
+
+
+def _lag_mini_batch(script: str, prompts: list, responses: list, generator: torch.Tensor, valid: torch.Tensor) -> dict:
+    """A mini-batch for `script`'s update: rows `responses` (DPO: the pairs' chosen, then their rejected), with the
+    generator's per-token log-probs `generator` (as wide as the round; what lies past a row's tokens is padding)."""
+    n, width = len(responses), generator.shape[1]
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
+    logged_only = dict(scores=torch.zeros(n), eos=torch.ones(n))  # (they feed the logs only)
+    if script in ("async_dpo", "sync_baseline", "gsm8k_async_dpo"):
+        m, logps = n // 2, (generator * mask).sum(1)
+        return dict(prompts=prompts, chosen=responses[:m], rejected=responses[m:], valid=valid,
+                    scores=torch.tensor([[1.0, 0.0]] * m), eos=torch.ones(m, 2), lengths=torch.ones(m, 2),
+                    generator_chosen_logps=logps[:m], generator_rejected_logps=logps[m:], kl=torch.zeros(m),
+                    generator_chosen_logprobs=generator[:m], generator_rejected_logprobs=generator[m:],
+                    ref_chosen_logps=torch.zeros(m), ref_rejected_logps=torch.zeros(m))
+    rows = prompts * (n // len(prompts))
+    if script == "async_rloo":
+        import async_rloo
+
+        episodes = dict(prompts=rows, responses=responses, response_mask=mask, generator_logprobs=generator,
+                        generator_logps=(generator * mask).sum(1), **logged_only)
+        async_rloo.add_advantages(episodes, torch.zeros(n), generator * mask, _one_sgd_step_args(
+            async_rloo, len(prompts), num_samples=2))
+        return episodes
+    if script == "async_ppo":
+        zeros = torch.zeros(n, width)
+        return dict(prompts=rows, responses=responses, old_logprobs=generator, advantages=zeros, values=zeros,
+                    returns=zeros, response_mask=mask, generator_logprobs=generator, explained_variance=[0.0] * n,
+                    learner_log_ratio=zeros, is_weights=torch.ones(n, width), is_factor=torch.ones(n, width),
+                    is_changed=zeros.bool(), is_terms=mask.bool(), kl=zeros, **logged_only)
+    return dict(prompts=rows, responses=responses, proximal_logprobs=generator, behaviour_logprobs=generator,
+                advantages=torch.zeros(n), rewards=torch.zeros(n), ended=torch.ones(n), response_mask=mask)
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("async_dpo", dict(loss="dpo")), ("async_dpo", dict(loss="best_of_k_sft")), ("sync_baseline", dict(loss="dpo")),
+    ("gsm8k_async_dpo", {}), ("async_rloo", dict(num_samples=2)), ("async_ppo", dict(num_samples=2)),
+    ("fully_async_grpo", {})])
+def test_the_per_token_lag_kl_is_the_mean_k3_over_the_tokens_read(script, flags, tiny_dir):
+    """lag/kl_token, worked by hand: mean over every token the step reads of exp(d_t) - 1 - d_t, d_t = log pi(y_t) -
+    log mu(y_t), weighted by tokens; lag/kl beside it is the mean over completions of the same term of their summed d.
+    Four completions of 1 to 3 tokens, padded, the generator's log-probs one column wider with garbage past each
+    completion's end; DPO's second pair ties (valid 0) and counts in neither, Best-of-K SFT reads the chosen alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    import async_ppo
+
+    module = __import__(script)
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11, EOS], [12], [13, 14], [12, 15]]
+    gaps = [[0.3, -0.2, 0.4], [0.4], [-0.5, 0.2], [0.3, 0.1]]  # d_t, row by row
+    policy = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft")), False)
+    inputs, mask = collate(prompts * 2, responses, PAD, CPU)
+    with torch.no_grad():  # pi's log-probs at the step's start; mu's are pi's minus d, and garbage on padding
+        learner = token_logprobs(response_logits(policy, inputs, mask.shape[1]), inputs["input_ids"], mask, 0.7)
+    generator = torch.full((4, 4), 9.0)
+    for row, d in enumerate(gaps):
+        generator[row, : len(d)] = learner[row, : len(d)] - torch.tensor(d)
+    valid = torch.tensor([1.0, 0.0])
+    read = {"async_dpo": [0, 2] if flags.get("loss") == "dpo" else [0], "sync_baseline": [0, 2],
+            "gsm8k_async_dpo": [0, 2]}.get(script, [0, 1, 2, 3])  # rows the step reads, of valid pairs
+    tokens = [d for row in read for d in gaps[row]]
+    per_token = sum(math.expm1(d) - d for d in tokens) / len(tokens)
+    per_sequence = sum(math.expm1(sum(gaps[row])) - sum(gaps[row]) for row in read) / len(read)
+    rows = 4 if script == "fully_async_grpo" else 2  # (its micro-batches count completions, the others' prompts)
+    args = _one_sgd_step_args(module, rows, temperature=0.7, **flags)
+    if script == "async_ppo":  # (the value head rides along: only the policy's log-probs enter the lag)
+        value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(tiny_dir, "proxy"))
+        policy = async_ppo.PolicyAndValue(policy, value_model)
+    update = {"async_rloo": "rloo_update", "async_ppo": "ppo_update", "fully_async_grpo": "grpo_update"}.get(
+        script, "dpo_update")
+    _, stats = _step_with_sgd(getattr(module, update), policy,
+                              _lag_mini_batch(script, prompts, responses, generator, valid), args)
+    assert stats["lag/kl_token"] == pytest.approx(per_token, rel=1e-4)
+    assert stats["lag/kl"] == pytest.approx(per_sequence, rel=1e-4)
+    assert abs(per_token - per_sequence) > 0.01  # (two different quantities, not two roundings of one)
 
 
 def round_record(start: float, generation: float, training: float, learner_wait: float) -> dict:
