@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from types import SimpleNamespace  # noqa: E402
 
 import async_dpo  # noqa: E402
+import tiny_world  # noqa: E402
 from plumbing import checkpoint, core  # noqa: E402
 from plumbing.generator_io import Generator, GeneratorError  # noqa: E402
 
@@ -64,6 +66,8 @@ class Args:
     """response tokens per sequence"""
     estimate_only: bool = False
     """print the memory estimate table for the presets and exit"""
+    only: tuple[str, ...] = ()
+    """run only these checks, by letter (`--only f g`; default: all)"""
     collectives_worker: bool = False
     """internal: run as one torchrun rank of check (b)"""
 
@@ -122,10 +126,13 @@ def fsdp_rank0(estimate: dict, name: str, learners: int) -> float:
     """GiB on rank 0 under --fsdp: weights, gradients, AdamW moments and frozen models sharded over the learners.
     Gradients stay sharded because every micro-batch reduce-scatters (the scripts do not skip gradient sync under
     FSDP: skipping it would hold the full, unsharded float32 gradients until the last micro-batch). Not sharded: the
-    weight buffer, the activations, the generator's CUDA context, and the reward model's input embeddings, which
-    stay gathered after its forward because its backbone is called as its own FSDP root."""
+    weight buffer, the activations, the generator's CUDA context, the reward model's input embeddings, which
+    stay gathered after its forward because its backbone is called as its own FSDP root, and the policy's largest
+    pieces while they run: FSDP2 gathers its float32 input embedding for the whole backbone's forward and backward,
+    and its output layer for its own, whose gradient is whole until its reduce-scatter: three float32 vocabulary x
+    hidden matrices at once, at most (1.96 GiB each at 8B)."""
     config = model_config(name)
-    gathered_embeddings = 2 * config.vocab_size * config.hidden_size / GIB
+    gathered_embeddings = (2 + 3 * 4) * config.vocab_size * config.hidden_size / GIB
     unsharded = (estimate["weight buffer"] + estimate["activations / micro-batch"]
                  + estimate["generator's CUDA context"])
     sharded = sum(v for k, v in estimate.items() if k != "parameters (B)") - unsharded
@@ -156,6 +163,11 @@ def print_estimate_table(args: Args) -> None:
     print(f"\nLoading it (the load-time peak on rank 0, before the first step): {before:.1f} GiB if every model "
           f"went whole to the GPU before sharding, beside the buffer; {after:.1f} GiB sharded as they load "
           f"(core.on_learner), the buffer allocated afterwards")
+    llama = parameter_count(model_config("llama-3.1-8b"))
+    print(f"\nHost memory while it loads: every rank reads each model whole to the CPU first (from_pretrained), the "
+          f"float32 policy and reference one after the other: {4 * llama / GIB:.1f} GiB a rank, "
+          f"{7 * 4 * llama / GIB:.0f} GiB on a node of 7 learners. --save_model writes the float32 policy: "
+          f"{4 * llama / 1e9:.0f} GB ({2 * llama / 1e9:.0f} GB once cast to bfloat16)")
     gold = parameter_count(model_config("pythia-6.9b"))
     embeddings = 2 * 50304 * PYTHIA["pythia-6.9b"][0] / GIB
     print(f"\nthe 6.9B gold reward model (--gold_reward_model_path) adds {2 * gold / GIB:.1f} GiB in bfloat16 "
@@ -177,20 +189,22 @@ def dpo_mini_batch(prompts: list, chosen: list, rejected: list, valid: torch.Ten
     M = len(prompts)
     return dict(prompts=prompts, chosen=chosen, rejected=rejected, valid=valid, scores=torch.zeros(M, 2),
                 eos=torch.ones(M, 2), lengths=torch.tensor([[len(c), len(r)] for c, r in zip(chosen, rejected)]),
-                generator_chosen_logps=torch.zeros(M),
-                generator_rejected_logps=torch.zeros(M), kl=torch.zeros(M),
+                generator_chosen_logps=torch.zeros(M), generator_rejected_logps=torch.zeros(M),
+                generator_chosen_logprobs=torch.zeros(M, len(chosen[0])),
+                generator_rejected_logprobs=torch.zeros(M, len(rejected[0])), kl=torch.zeros(M),
                 ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
 
 
-def learner_step(args: Args, device: torch.device) -> None:
+def learner_step(args: Args, device: torch.device) -> str:
     """(a) One learner step through the script's own functions, timing it and measuring peak memory."""
     from transformers import AutoModelForCausalLM, GPTNeoXForSequenceClassification
 
     config, dtype = model_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
-    ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
-    reward_model = GPTNeoXForSequenceClassification(config).to(dtype)
+    with device:  # random weights drawn on the device itself: on the CPU, 2.8B of them take a minute a model
+        policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32), True)
+        ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+        reward_model = GPTNeoXForSequenceClassification(config).to(dtype)
     reward_model.score.float()
     reward_model.retokenize = None  # it shares the policy's tokens (as plumbing.reward_models says)
     reward_model = reward_model.to(device).eval().requires_grad_(False)
@@ -216,15 +230,18 @@ def learner_step(args: Args, device: torch.device) -> None:
         loss = stats["loss/dpo"]
         sync_start = time.time()
         async_dpo.write_weight_snapshot(policy, buffer, table)
-        print(f"(a) step {step}: learner step {sync_start - start:.2f} s, weight snapshot "
+        step_seconds = sync_start - start
+        print(f"(a) step {step}: learner step {step_seconds:.2f} s, weight snapshot "
               f"{time.time() - sync_start:.3f} s, DPO loss {loss:.4f}", flush=True)
     assert math.isfinite(loss), "the DPO loss is not finite"
     estimate = memory_estimate(args.model, M, args.prompt_length + args.response_length, args.response_length)
     expected = sum(v for k, v in estimate.items() if k not in ("parameters (B)", "generator's CUDA context"))
+    figure = f"step {step_seconds:.2f} s"
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / GIB
         print(f"(a) peak GPU memory {peak:.1f} GiB; README estimate {expected:.1f} GiB "
               f"({json.dumps({k: round(v, 2) for k, v in estimate.items()})})")
+        figure += f", peak {peak:.1f} GiB (estimate {expected:.1f})"
     else:
         print(f"(a) no GPU: ran on the CPU; the README's estimate for this model would be {expected:.2f} GiB")
     # --resume_from, before it loads a checkpoint: a fresh AdamW's moments, allocated by a step at lr 0 on zero
@@ -242,9 +259,11 @@ def learner_step(args: Args, device: torch.device) -> None:
         print(f"(a) resume: the optimizer state's allocation peaks {extra:.1f} GiB above the weights and models "
               f"(AdamW's moments: {8 * estimate['parameters (B)'] * 1e9 / GIB:.1f} GiB; DCP's own way adds "
               f"{4 * estimate['parameters (B)'] * 1e9 / GIB:.1f} GiB of zero gradients)", flush=True)
+        figure += f", resume +{extra:.1f} GiB"
+    return figure
 
 
-def precision_parity(args: Args, device: torch.device) -> None:
+def precision_parity(args: Args, device: torch.device) -> str:
     """(d) Step 0 in the scripts' precisions, through their own functions, at equal weights: DPO's first loss against
     ln 2, the reference's log-probs against the policy's, and the first ratios of PPO (per token) and RLOO (per
     sequence) with pi_old recomputed by the learner (--recompute_old_logprobs) and with pi_old from the sampler.
@@ -257,10 +276,11 @@ def precision_parity(args: Args, device: torch.device) -> None:
 
     config, dtype = model_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device), True)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
+    with device:  # (random weights drawn on the device)
+        policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32), True)
+        reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+        old_regime = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
     reference.load_state_dict(policy.state_dict())  # what the scripts load: the SFT weights in float32
-    old_regime = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
     old_regime.load_state_dict(policy.state_dict())  # a reference loaded in bfloat16, as before; also the sampler
     autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
     no_autocast = torch.autocast(device.type, enabled=False)
@@ -298,7 +318,8 @@ def precision_parity(args: Args, device: torch.device) -> None:
 
     print_peak_memory("(d) DPO", device)
     # PPO: per-token ratios at step 0, pi_old from the learner's rollout pass or from the bfloat16 sampler
-    value_model = core.train_without_dropout(GPTNeoXForSequenceClassification(config).to(device), True)
+    with device:
+        value_model = core.train_without_dropout(GPTNeoXForSequenceClassification(config), True)
     model = async_ppo.PolicyAndValue(policy, value_model)
     learner_logprobs, values = async_ppo.rollout_in_chunks(model, ppo_prompts, ppo_responses, temperature, M,
                                                            run_in(autocast))
@@ -319,19 +340,21 @@ def precision_parity(args: Args, device: torch.device) -> None:
               f"{stats['policy/ratio_max']:.4f}, clip fraction {stats['policy/clipfrac']:.4f}", flush=True)
         if name == "recomputed":
             assert abs(stats["policy/ratio_mean"] - 1) < tolerance, "PPO's first ratio is not 1"
+            ppo_ratio = stats["policy/ratio_mean"]
     print(f"(d) PPO step 0, w = pi_old / mu per token (mu: the sampler in {dtype}): min {stats['is/weight_min']:.4f}, "
           f"max {stats['is/weight_max']:.4f}, |log pi_old - log mu| mean {stats['offpolicy/mismatch_mean']:.2e}, "
           f"max {stats['offpolicy/mismatch_max']:.2e}, k3 KL {stats['offpolicy/kl_k3']:.2e}", flush=True)
     print_peak_memory("(d) PPO", device)
     del model, value_model
     # RLOO: sequence-level ratios (a sum over the response's tokens, so per-token differences add up)
-    learner_seq = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M,
-                                               run_in(autocast)).sum(1)
-    for name, old_logps in (("recomputed", learner_seq), ("sampler's", bf16_logps)):
-        mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logps=old_logps,
-                          advantages=torch.randn(n), generator_logps=old_logps, rewards=torch.zeros(n),
-                          advantage_std=[1.0] * n, response_mask=torch.ones(n, width), is_factor=torch.ones(n),
-                          **logged_only, kl=torch.zeros(n))
+    learner_tokens = async_dpo.logprobs_in_chunks(policy, ppo_prompts, ppo_responses, temperature, M,
+                                                  run_in(autocast))
+    for name, old_logprobs in (("recomputed", learner_tokens), ("sampler's", sampler_logprobs)):
+        mini_batch = dict(prompts=ppo_prompts, responses=ppo_responses, old_logps=old_logprobs.sum(1),
+                          advantages=torch.randn(n), generator_logps=old_logprobs.sum(1),
+                          generator_logprobs=old_logprobs, rewards=torch.zeros(n), advantage_std=[1.0] * n,
+                          response_mask=torch.ones(n, width), is_factor=torch.ones(n), **logged_only,
+                          kl=torch.zeros(n))
         stats = async_rloo.rloo_update(policy, *optimizer_for(policy), mini_batch, one_step_args(async_rloo, n),
                                        run_in(autocast))
         print(f"(d) RLOO step 0, pi_old {name}: ratio mean {stats['policy/ratio_mean']:.6f}, max "
@@ -339,7 +362,22 @@ def precision_parity(args: Args, device: torch.device) -> None:
         if name == "recomputed":
             assert max(abs(stats["policy/ratio_mean"] - 1), stats["policy/ratio_max"] - 1) < tolerance * 10, \
                 "RLOO's first ratio is not 1"
+            rloo_ratio = stats["policy/ratio_max"]
     print_peak_memory("(d) RLOO", device)
+    # The lag's floor: at equal weights the learner against a bfloat16 sampler (vLLM's precision on a GPU; on the CPU
+    # too, to show it), per sequence (lag/kl) and per token (lag/kl_token), as the scripts log them; random weights
+    with device:
+        bf16_sampler = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
+    bf16_sampler.load_state_dict(policy.state_dict())
+    sampler_logprobs = async_ppo.logprobs_in_chunks(bf16_sampler, ppo_prompts, ppo_responses, temperature, M,
+                                                    run_in(no_autocast))
+    gap = (learner_logprobs - sampler_logprobs).double()  # log pi - log mu per token
+    sequence_kl = (torch.expm1(gap.sum(1)) - gap.sum(1)).mean().item()
+    token_kl = (torch.expm1(gap) - gap).mean().item()
+    print(f"(d) the lag at staleness 0, the sampler in bfloat16: lag/kl {sequence_kl:.2e} per sequence of {width} "
+          f"tokens, lag/kl_token {token_kl:.2e} (per-token gap spread {gap.std():.2e})", flush=True)
+    return (f"DPO loss - ln 2 {loss - math.log(2):+.1e}, PPO ratio {ppo_ratio:.5f}, RLOO max ratio {rloo_ratio:.5f};"
+            f" lag floor with a bfloat16 sampler: lag/kl {sequence_kl:.1e}, lag/kl_token {token_kl:.1e}")
 
 
 def print_peak_memory(check: str, device: torch.device) -> None:
@@ -369,14 +407,15 @@ def reader_main(table: list, versions, replies) -> None:
         replies.put((version, seen.min().item(), seen.max().item()))
 
 
-def weight_handoff(args: Args, device: torch.device, slots: int = 0) -> None:
+def weight_handoff(args: Args, device: torch.device, slots: int = 0) -> str:
     """(c) Write versions 1..5 (every parameter set to the version number) and have a spawned reader check them:
     into the one buffer of the paper's scripts, or (`slots`) into slot version mod slots of fully_async_grpo.py's."""
     from transformers import AutoModelForCausalLM
 
     import fully_async_grpo
 
-    model = AutoModelForCausalLM.from_config(model_config(args.model), dtype=torch.float32).to(device)
+    with device:
+        model = AutoModelForCausalLM.from_config(model_config(args.model), dtype=torch.float32)
     table, dtype = async_dpo.weight_table(model), torch.bfloat16 if device.type == "cuda" else torch.float32
     buffer = (fully_async_grpo.make_weight_slots(table, slots, dtype, device) if slots
               else async_dpo.make_weight_buffer(table, dtype, device))
@@ -407,6 +446,7 @@ def weight_handoff(args: Args, device: torch.device, slots: int = 0) -> None:
         if reader.is_alive():
             reader.kill()
     assert reader.exitcode == 0, f"the reader process failed (exit code {reader.exitcode})"
+    return f"versions 1-5 whole{f' in {slots} slots' if slots else ''}, last snapshot {elapsed:.3f} s"
 
 
 def load_peaks(name: str, learners: int) -> tuple[float, float]:
@@ -515,6 +555,201 @@ def collectives_worker() -> None:
     torch.distributed.destroy_process_group()
 
 
+# --- (f) weight reloads in a real vLLM engine, (g) what seeded sampling costs it -------------------------------------
+RELOAD_TOLERANCE = {"cpu": 1e-4, "cuda": 0.05}  # median |sampler - learner| per token at the same weights: float32 on
+# CPU (~1e-6 measured), bfloat16 sampler against the learner's float32-under-bfloat16 forward on GPU (~1e-2 a token)
+FAR_APART = 0.5  # median per-token gap between the two versions' log-probs that the perturbation must exceed (nats)
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose output layer's rows are permuted (each token gets another's logit): a version whose
+    log-probs of what it samples differ from the original's by nats a token, far beyond bfloat16's noise."""
+    import copy
+
+    model = copy.deepcopy(model)
+    output = model.get_output_embeddings().weight
+    with torch.no_grad():
+        output.copy_(output[torch.randperm(len(output), generator=torch.Generator().manual_seed(1))])
+    return model
+
+
+def token_gaps(sampled: list, models: dict, prompts: list, temperature: float, device: torch.device) -> dict:
+    """|sampler's log-prob - each model's| per token of `sampled` ((prompt index, tokens, the sampler's log-probs,
+    the token positions to compare)), the models run as the learner runs them (float32, bfloat16 autocast on GPU)."""
+    import fully_async_grpo as fa
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    run = core.Run(device, autocast, 0, 0)
+    gaps = {}
+    for name, model in models.items():
+        learner = fa.logprobs_in_chunks(model, [prompts[i] for i, *_ in sampled], [t for _, t, *_ in sampled],
+                                        temperature, 64, run)
+        gaps[name] = torch.cat([(row[: len(tokens)] - torch.tensor(logprobs))[where].abs()
+                                for row, (_, tokens, logprobs, where) in zip(learner, sampled)])
+    return gaps
+
+
+def judge_reload(label: str, own: torch.Tensor, other: torch.Tensor, device: torch.device) -> str:
+    """The sampler's tokens after a reload must match the new weights (to bfloat16's noise on GPU) and not the old."""
+    tolerance = RELOAD_TOLERANCE[device.type]
+    figure = (f"{label}: median |sampler - new| {own.median():.1e} (p99 {own.quantile(0.99):.1e}, {len(own)} tokens), "
+              f"|sampler - old| {other.median():.2f}")
+    print(f"(f) {figure}", flush=True)
+    assert own.median() < tolerance, f"the sampler's log-probs after the load are not the new weights' ({figure})"
+    assert other.median() > FAR_APART, f"the versions are too close to tell apart ({figure})"
+    return figure
+
+
+def inflight_reload(device: torch.device) -> str:
+    """(f) fully_async_grpo.py's generator_main (its engine_kwargs: CUDA graphs on a GPU, the synchronous scheduler),
+    streaming groups; once the first group is back, version 1 (the SFT weights perturbed far beyond bfloat16's noise)
+    is published and loaded mid-generation (--inflight_updates, recompute). Every token labelled 1 must carry the
+    new weights' log-prob, every token labelled 0 the old ones'."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import fully_async_grpo as fa
+
+    use_cuda, out = device.type == "cuda", tempfile.mkdtemp(prefix="gpu-check-")
+    args = fa.resolve_args(fa.Args(model="tiny", **fa.TINY_DEFAULTS, inflight_updates=True, output_dir=out,
+                                   vllm_gpu_memory_utilization=0.3))
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
+    train, _ = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"), ("train", "test"))
+    prompts = fa.tokenize_prompts(tokenizer, train["question"], args.max_prompt_length)
+    old = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device).eval()
+    new, table = perturbed(old), fa.weight_table(old)
+    slots = fa.make_weight_slots(table, fa.len_slots(args), torch.bfloat16 if use_cuda else torch.float32, device)
+    fa.write_weight_snapshot(new, slots[1], table)
+    engine = fa.engine_kwargs(args, AutoConfig.from_pretrained(args.sft_model_path), use_cuda)
+    assert engine["async_scheduling"] is False and engine["enforce_eager"] is not use_cuda, engine
+    generator = fa.start_generator(engine, table, tokenizer.eos_token_id, None, args)
+    groups = []
+    try:
+        assert fa.collect(generator, args)["kind"] == "ready"
+        fa.submit(generator, dict(kind="start", weight_slots=slots, prompts=prompts))
+        fa.submit(generator, dict(kind="go", first_group=0, version=0, slot=0, seed=args.seed, n=args.num_samples,
+                                  temperature=args.temperature, max_tokens=args.response_length,
+                                  max_staleness=args.max_staleness, groups_per_step=args.groups_per_step,
+                                  stale_policy="pace", max_in_flight=args.max_in_flight, inflight_updates=True,
+                                  kv_on_update="recompute"))
+        groups.append(fa.collect(generator, args))  # the others are mid-generation now
+        fa.submit(generator, dict(kind="weights", version=1, slot=1, taken=1))  # (the stream then fills, and stops)
+        while len(groups) < args.max_in_flight:
+            groups.append(fa.collect(generator, args))
+    finally:
+        generator.stop()
+    # Each completion's tokens by label: (prompt, tokens, the sampler's log-probs, the tokens of that version)
+    by_version = {0: [], 1: []}
+    for group in groups:
+        for tokens, logprobs, spans in zip(group["responses"], group["logprobs"], group["spans"]):
+            labels = torch.tensor([v for v, start, end in spans for _ in range(end - start)])
+            for version in (0, 1):
+                if (labels == version).any() and len(spans) > 1:  # (the completions loaded mid-generation)
+                    by_version[version].append((group["index"] % len(prompts), tokens, logprobs, labels == version))
+    assert by_version[1], "no completion was sampled by two versions: nothing was loaded mid-generation"
+    after = token_gaps(by_version[1], {"new": new, "old": old}, prompts, args.temperature, device)
+    before = token_gaps(by_version[0], {"old": old}, prompts, args.temperature, device)
+    judge_reload(f"{len(by_version[1])} completions loaded mid-generation, their later tokens", after["new"],
+                 after["old"], device)
+    assert before["old"].median() < RELOAD_TOLERANCE[device.type], "their earlier tokens are not the old weights'"
+    return (f"{len(by_version[1])} completions over 2 versions: version-1 tokens median gap "
+            f"{after['new'].median():.1e} to v1, {after['old'].median():.2f} to v0; version-0 tokens "
+            f"{before['old'].median():.1e} to v0")
+
+
+def reload_between_rounds(device: torch.device) -> str:
+    """(f) async_dpo.py's generator_main (the paper's scripts' reload, CUDA graphs on a GPU): a round with the SFT
+    weights, then a round after version 1 (perturbed) was written to the buffer and reloaded. The second round's
+    log-probs must be the new weights' (a CUDA graph still reading the old weights would give the old ones')."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    use_cuda, out = device.type == "cuda", tempfile.mkdtemp(prefix="gpu-check-")
+    args = async_dpo.resolve_args(async_dpo.Args(model="tiny", **async_dpo.TINY_DEFAULTS, output_dir=out,
+                                                 vllm_gpu_memory_utilization=0.3))
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
+    queries = [json.loads(line)["query"] for line in open(os.path.join(args.dataset, "validation.jsonl"))]
+    prompts = core.tokenize_prompts(tokenizer, queries[:32], args.max_prompt_length)
+    old = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device).eval()
+    new, table = perturbed(old), async_dpo.weight_table(old)
+    buffer = async_dpo.make_weight_buffer(table, torch.bfloat16 if use_cuda else torch.float32, device)
+    engine = async_dpo.engine_kwargs(args, AutoConfig.from_pretrained(args.sft_model_path), use_cuda)
+    generator = async_dpo.start_generator(engine, table, tokenizer.eos_token_id, None, args)
+    rounds = []
+    try:
+        assert async_dpo.collect(generator, args)["kind"] == "ready"
+        async_dpo.submit(generator, dict(kind="weight_buffer", weight_buffer=buffer))
+        for version in (0, 1):
+            if version:
+                async_dpo.write_weight_snapshot(new, buffer, table)
+            async_dpo.submit(generator, dict(kind="train", round=version, weights_version=version, prompts=prompts,
+                                             n=2, temperature=args.temperature, max_tokens=args.response_length,
+                                             seed=version))
+            rounds.append(async_dpo.collect(generator, args))
+    finally:
+        generator.stop()
+    sampled = [[(i // 2, tokens, logprobs, torch.ones(len(tokens), dtype=torch.bool))
+                for i, (tokens, logprobs) in enumerate(zip(r["responses"], r["logprobs"]))] for r in rounds]
+    first = token_gaps(sampled[0], {"old": old}, prompts, args.temperature, device)
+    second = token_gaps(sampled[1], {"new": new, "old": old}, prompts, args.temperature, device)
+    assert first["old"].median() < RELOAD_TOLERANCE[device.type], "the first round is not the SFT weights'"
+    judge_reload("the round after the reload", second["new"], second["old"], device)
+    return (f"round 1 median gap {first['old'].median():.1e} to v0; round 2 {second['new'].median():.1e} to v1, "
+            f"{second['old'].median():.2f} to v0")
+
+
+def seeded_sampling_main(use_cuda: bool, repeats: int, replies) -> None:
+    """(g) In its own process (vLLM in-process, as the generator runs it): sampling_seeds.py's timing."""
+    import sampling_seeds
+
+    replies.put(sampling_seeds.seed_costs(tiny_world.SHIPPED["tldr"], repeats, use_cuda, 0.3))
+
+
+def seeded_sampling(device: torch.device, repeats: int = 10) -> str:
+    """(g) What a seed per prompt costs vLLM's sampler: the demo's training round (32 prompts x 2 samples of 16
+    tokens) and evaluation (128 prompts x 1), with seeds and without, on the shipped TL;DR world's policy (hub-free),
+    in an engine built as async_dpo.py builds it. A measurement: it fails only if the timing fails."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    process = ctx.Process(target=seeded_sampling_main, args=(device.type == "cuda", repeats, replies))
+    process.start()
+    try:
+        costs = replies.get(timeout=600)
+    finally:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+    for kind, (seeded, unseeded) in costs.items():
+        print(f"(g) {kind}: {seeded:.1f} ms with a seed per prompt, {unseeded:.1f} ms without: "
+              f"{seeded / unseeded:.2f}x", flush=True)
+    return ", ".join(f"{kind.split(' (')[0]} {seeded / unseeded:.2f}x" for kind, (seeded, unseeded) in costs.items())
+
+
+# --- Running the checks: each timed, one table -----------------------------------------------------------------------
+def run_check(name: str, function, *inputs) -> tuple:
+    """Run one check: (its name, whether it passed, its figure or its error, its seconds)."""
+    start = time.time()
+    try:
+        figure, passed = function(*inputs) or "", True
+    except Exception as error:  # (one check's failure must not hide the others' results)
+        traceback.print_exc()
+        figure, passed = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}", False
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"== {name}: {'pass' if passed else 'FAIL'} in {time.time() - start:.0f} s", flush=True)
+    return name, passed, figure, time.time() - start
+
+
+def collectives(world_size: int = 2) -> str:
+    """(b) and (e) on `world_size` torchrun ranks (this file with --collectives_worker)."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(world_size), os.path.abspath(__file__), "--collectives_worker"],
+                            capture_output=True, text=True, timeout=600)
+    print(result.stdout, result.stderr[-3000:] if result.returncode else "", sep="", flush=True)
+    assert result.returncode == 0, f"the torchrun ranks failed (exit code {result.returncode})"
+    return next((line.split(": ", 1)[-1] for line in result.stdout.splitlines() if "DDP gradient all-reduce" in line),
+                "")
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.collectives_worker:
@@ -529,14 +764,24 @@ if __name__ == "__main__":
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'no GPU'}), "
           f"model {args.model}, micro-batch {args.per_device_train_batch_size} x 2 sequences of "
           f"{args.prompt_length} + {args.response_length} tokens", flush=True)
-    learner_step(args, device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    precision_parity(args, device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    weight_handoff(args, device)
-    weight_handoff(args, device, slots=3)  # (fully_async_grpo.py at k = 2)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    os.path.abspath(__file__), "--collectives_worker"], check=True)
-    print("gpu_check: all checks passed")
+    gpus = torch.cuda.device_count()
+    checks = [  # the vLLM checks first: they were never run on a GPU, and a lent GPU's time may run out
+        ("(f) in-flight reload, fully_async_grpo.py", inflight_reload, device),
+        ("(f) reload between rounds, async_dpo.py", reload_between_rounds, device),
+        ("(g) seeded sampling's cost", seeded_sampling, device, 10 if device.type == "cuda" else 3),
+        ("(a) learner step and resume", learner_step, args, device),
+        ("(d) precision parity at step 0", precision_parity, args, device),
+        ("(c) weight hand-off, one buffer", weight_handoff, args, device),
+        ("(c) weight hand-off, k + 1 slots", weight_handoff, args, device, 3),  # (fully_async_grpo.py at k = 2)
+        (f"(b, e) collectives on 2 ranks{' (NCCL skipped: one GPU)' if gpus == 1 else ''}", collectives)]
+    start, results = time.time(), []
+    for name, function, *inputs in checks:
+        if not args.only or set(name[1: name.index(")")].split(", ")) & set(args.only):
+            results.append(run_check(name, function, *inputs))
+    print("\n| check | result | measured | seconds |\n|---|---|---|---|")
+    for name, passed, figure, seconds in results:
+        print(f"| {name} | {'pass' if passed else '**FAIL**'} | {figure} | {seconds:.0f} |")
+    failed = sum(not passed for _, passed, _, _ in results)
+    print(f"\ngpu_check: {len(results) - failed} of {len(results)} checks passed in {time.time() - start:.0f} s on "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'the CPU'}", flush=True)
+    sys.exit(1 if failed else 0)

@@ -157,8 +157,9 @@ def test_gpu_check_runs_on_the_cpu():
     result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     for check in ("(a) step 1", "(b) the generator's ready taken by every rank", "its error raised on every rank",
-                  "reduce_sums over gloo: ok", "(c) version 5", "all checks passed",
-                  "(e) --fsdp load over 2 ranks: every parameter sharded"):
+                  "reduce_sums over gloo: ok", "(c) version 5", "(e) --fsdp load over 2 ranks: every parameter "
+                  "sharded", "(f) the round after the reload", "(g) training round (32 prompts x 2)", "lag/kl_token",
+                  "| (f) in-flight reload, fully_async_grpo.py | pass |", "gpu_check: 8 of 8 checks passed"):
         assert check in result.stdout, result.stdout
 
 
