@@ -12,8 +12,10 @@ sampler (its oldest token's).
   Learner, step v of the loop in `main()`:
     1. take B groups from the stream, each as it arrives (`drop`: discard those more than k versions old);
     2. grade the completions (the verifier) and compute the group-relative advantages;
-    3. the proximal policy's log-probs: recomputed at the step's start, or the sampler's own;
-    4. a clipped, importance-weighted policy-gradient step;  5. ASYNC: publish version v + 1 in its slot;
+    3. the proximal policy's log-probs: recomputed at the batch's start, or the sampler's own;
+    4. --num_mini_batches m clipped steps, each token weighted by the sampler's corrected importance weight (with
+       m = 1 under `recompute` the ratio to the proximal policy is 1 and only the weight acts; the clip from the
+       second mini-batch on);  5. ASYNC: publish version v + 1 in its slot;
     6. log (the staleness, the stream and the lengths);  7. evaluate;  8. checkpoint.
 k = 0 is synchronous and on-policy. CPU demo: `python fully_async_grpo.py --model tiny`; docs/fully_async.md.
 """
@@ -27,7 +29,7 @@ import re
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
@@ -40,8 +42,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import tiny_world
 from plumbing import checkpoint, core, generator_io, launch, metrics
 
-PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k")}  # --model: (SFT, dataset)
-PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the format the SFT policies were trained on
+# --model: (SFT policy, dataset, the prompt format the policy was trained on; {question}: the problem)
+PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k",
+                      "[MATH_TASK] Problem:\n{question}\n\nSolution:")}
 # `--model tiny` swaps in defaults that train the shipped chains world's policy on 2 CPU cores in minutes.
 TINY_DEFAULTS = dict(
     lag_every=1, learning_rate=1e-4, temperature=1.0, response_length=128, max_prompt_length=192,
@@ -53,9 +56,9 @@ TINY_DEFAULTS = dict(
 # sample). Any other difference from the checkpoint's run is refused, naming the flag.
 MAY_DIFFER_ON_RESUME = {
     "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "verbose", "tiny_dir",
-    "vllm_gpu_memory_utilization", "generator_cores", "record_rollouts", "gradient_checkpointing", "save_every",
-    "resume_from", "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
-    "eval_temperature", "eval_response_length"}
+    "vllm_gpu_memory_utilization", "generator_cores", "record_rollouts", "record_every", "gradient_checkpointing",
+    "save_every", "resume_from", "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts",
+    "num_final_eval_prompts", "eval_temperature", "eval_response_length"}
 
 
 @dataclass
@@ -85,6 +88,9 @@ class Args:
     """write every group the learner takes (prompt, tokens, the sampler's log-probs, each token's version) to
     {output_dir}/rollouts.jsonl and every version's weights to {output_dir}/versions/, to audit a run
     (benchmarks/token_versions.py checks each token's log-prob against its own version's)"""
+    record_every: int = 1
+    """with --record_rollouts, keep the weights of every this many versions only (each is the policy's size: a
+    rho-1b run's every version is ~550 GB; the tokens of a version not kept are not audited)"""
 
     # Models and data
     model: Literal["tiny", "rho-1b"] = "rho-1b"
@@ -95,6 +101,9 @@ class Args:
     """problems with `question`, `answer` columns, `train`, `test` splits (hub or folder; default: the preset's)"""
     dataset_config: Optional[str] = None
     """the dataset's configuration on the hub (`main` for openai/gsm8k)"""
+    prompt_format: Optional[str] = None
+    """the prompt around each problem, `{question}` where it goes (default: the preset's, or the tiny world's): the
+    format the SFT policy was trained on"""
     tiny_dir: str = tiny_world.SHIPPED["chains"]
     """the chains world `--model tiny` runs on: the one in worlds/ (tiny_world.py builds others)"""
 
@@ -127,12 +136,19 @@ class Args:
     """`grpo`: (reward - group mean) / group std, each completion's tokens averaged; `dr_grpo`: reward - group mean,
     every token summed over a constant (Dr. GRPO: no length or difficulty bias); `rloo`: reward - mean of the others"""
     proximal: Literal["recompute", "behaviour"] = "recompute"
-    """the policy the ratio is clipped against: the learner's own at the step's start (`recompute`, decoupled PPO:
+    """the policy the ratio is clipped against: the learner's own at the batch's start (`recompute`, decoupled PPO:
     one more forward pass, and the sampler corrected by w = pi_prox / mu), or the sampler's (`behaviour`: bypass)"""
+    num_mini_batches: int = 1
+    """m: optimizer steps per batch of B groups, each on the next 1/m of it. pi_prox is taken once, at the batch's
+    start: with m = 1 and `recompute`, pi / pi_prox is 1 when the loss is taken and the clip never acts"""
     cliprange: float = 0.2
-    """clip range of the per-token ratio pi / pi_prox"""
+    """clip range of the per-token ratio pi / pi_prox (under `recompute` it acts from the second mini-batch on)"""
+    is_correction: Optional[Literal["tis", "mis", "icepop", "none"]] = None
+    """the sampler's correction, per token, by w = pi_prox / mu: `tis` truncates w at --is_cap C, `mis` masks the
+    tokens whose w exceeds C, `icepop` those whose w leaves [1/C, C], `none` leaves w out (default, filled in by
+    resolve_args: `tis` under `recompute`; under `behaviour` w is 1 and the only choice is `none`)"""
     is_cap: float = 2.0
-    """the importance weight w = pi_prox / mu is truncated to at most this (`recompute`)"""
+    """C, the bound of --is_correction"""
     temperature: float = 0.7
     """sampling temperature; the learner divides its logits by it too, so its log-probs match the sampler's"""
     response_length: int = 512
@@ -190,7 +206,7 @@ class Args:
     local_batch_size: int = 0
     """completions per optimizer step on one learner process"""
     gradient_accumulation_steps: int = 0
-    """forward passes per optimizer step on one learner process"""
+    """forward passes per optimizer step (a mini-batch) on one learner process"""
     num_steps: int = 0
     """optimizer steps in total"""
     world_hash: str = ""
@@ -210,6 +226,14 @@ def resolve_args(args: Args) -> Args:
          f"--num_samples {args.num_samples}"),
         (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
         (args.cliprange < 0 or args.is_cap < 1, "--cliprange must not be negative, --is_cap not below 1"),
+        (args.num_mini_batches < 1 or args.record_every < 1, "--num_mini_batches and --record_every must be positive"),
+        (args.proximal == "behaviour" and (args.is_correction not in (None, "none") or args.is_cap != Args.is_cap),
+         "--is_correction and --is_cap act on w = pi_prox / mu, which is 1 under --proximal behaviour (the clip "
+         "to the sampler is its correction): leave them out"),
+        (args.proximal == "recompute" and args.is_correction == "none" and args.max_staleness > 0,
+         f"--is_correction none with --proximal recompute and --max_staleness {args.max_staleness} trains on data "
+         "up to k versions stale with no correction for the sampler at all: use tis, mis or icepop, or --proximal "
+         "behaviour"),
         (args.kv_on_update == "keep" and not args.inflight_updates, "--kv_on_update keep needs --inflight_updates "
          "(draining before every load, no KV cache outlives its version)"),
     ]:
@@ -225,7 +249,13 @@ def resolve_args(args: Args) -> Args:
         core.fail(f"--batch_size {args.batch_size}: its {args.groups_per_step} groups must divide over "
                   f"{args.world_size} learner processes")
     args.local_batch_size = args.batch_size // args.world_size
-    args.gradient_accumulation_steps = args.local_batch_size // args.per_device_train_batch_size
+    if args.local_batch_size % (args.num_mini_batches * args.per_device_train_batch_size):
+        core.fail(f"--num_mini_batches {args.num_mini_batches} x --per_device_train_batch_size "
+                  f"{args.per_device_train_batch_size} must divide the {args.local_batch_size} completions a learner "
+                  f"process takes a step")
+    mini_batch = args.local_batch_size // args.num_mini_batches  # (completions a learner process takes a step)
+    args.gradient_accumulation_steps = mini_batch // args.per_device_train_batch_size
+    args.is_correction = args.is_correction or ("tis" if args.proximal == "recompute" else "none")
     args.num_steps = args.total_episodes // args.batch_size
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if args.gradient_checkpointing is None:  # the toy models need none
@@ -238,9 +268,13 @@ def resolve_args(args: Args) -> Args:
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
     if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
         sft, data, args.world_hash = tiny_world.chains_world(args.tiny_dir)
+        prompt_format = tiny_world.MATH_PROMPT  # (what the world's policy was trained on)
     else:
-        sft, data = PRESETS[args.model]
+        sft, data, prompt_format = PRESETS[args.model]
     args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
+    args.prompt_format = args.prompt_format or prompt_format
+    if "{question}" not in args.prompt_format:
+        core.fail(f"--prompt_format {args.prompt_format!r} has no {{question}} for the problem")
     args.dataset_config = args.dataset_config or {"openai/gsm8k": "main"}.get(args.dataset)
     return args
 
@@ -285,7 +319,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
     # The prompt order: a fresh shuffle of the training prompts for each pass over them, for as many groups as
     # the run can admit (discarded groups use prompts up too)
-    train_prompts = tokenize_prompts(tokenizer, train_data["question"], args.max_prompt_length)
+    train_prompts = tokenize_prompts(tokenizer, train_data["question"], args)
     train_answers = train_data["answer"]  # the reference solutions, ending in "#### <answer>"
     most_groups = (args.num_steps + args.max_staleness + 2) * args.groups_per_step * 4
     passes = -(-most_groups // len(train_prompts))
@@ -309,6 +343,12 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         loop = checkpoint.resume(args, **saved)
     next_group, version, published, last_eval, _ = loop
     if args.record_rollouts and not args.resume_from:  # (version 0: the SFT weights, in slot 0 like any other)
+        if args.rank == 0:  # what it will write: a version is the policy's size
+            _, offset, shape = weight_layout[-1]
+            each = (offset + math.prod(shape)) * dtype.itemsize / 1e9
+            kept = args.num_steps // args.record_every + 1
+            tqdm.write(f"--record_rollouts: {kept} versions of {each:.2f} GB each, {kept * each:.1f} GB in "
+                       f"{args.output_dir}/versions (--record_every {args.record_every})")
         write_weight_snapshot(policy, None if weight_slots is None else weight_slots[0], weight_layout)
         record_version(weight_slots, weight_layout, 0, args)
     stream = dict(early=[], taken=next_group, accepted=0, discarded=0, learner_idle=0.0, published_at={},
@@ -353,17 +393,18 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         rollout = make_rollout(batch, prompt_order, train_prompts, train_answers, tokenizer, args, run)
         rollout["advantages"] = group_advantages(rollout["rewards"].view(-1, args.num_samples), args).view(-1)
 
-        # 3. ALGO: the proximal policy's per-token log-probs: the learner's at the step's start, or the sampler's
-        width = rollout["response_mask"].shape[1]
+        # 3. ALGO: the proximal policy's per-token log-probs: the learner's at the batch's start, or the sampler's
+        proximal_start, width = time.time(), rollout["response_mask"].shape[1]
         rollout["proximal_logprobs"] = (
             logprobs_in_chunks(policy, rollout["prompts"], rollout["responses"], args.temperature,
                                args.per_device_train_batch_size, run)[:, :width]
             if args.proximal == "recompute" else rollout["behaviour_logprobs"])
+        proximal_seconds = time.time() - proximal_start
 
-        # 4. ALGO: a clipped, importance-weighted step on the batch
+        # 4. ALGO: m clipped, importance-weighted steps, each on 1/m of the batch (one version: the last step's)
         before = core.parameters_copy(policy) if version % args.lag_every == 0 else None
         stats = grpo_update(learner, optimizer, scheduler, rollout, args, run)
-        if before is not None:  # the lag: how far the step moved the policy
+        if before is not None:  # the lag: how far the batch's steps moved the policy
             stats["lag/update"] = core.relative_update(policy, before, args.world_size)
         version += 1
 
@@ -382,7 +423,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
         record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
                       **stream_stats(batch, discarded, stream, generator, args))
-        record.update({"time/training": sync_start - train_start, "time/weight_sync": time.time() - sync_start,
+        record.update({"time/training": sync_start - train_start, "time/proximal": proximal_seconds,
+                       "time/weight_sync": time.time() - sync_start,
                        "time/learner_wait": took, "time/elapsed": time.time() - training_start})
         metrics.log(record, metrics_file, args.track)
         progress.update(1)
@@ -447,14 +489,16 @@ def stream_stats(batch: list, discarded: int, stream: dict, generator: generator
     """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
     (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
     (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
-    published versions (how long after publishing), each side's idle fraction since training began, and the
-    versions a completion spans (more than one only with --inflight_updates) and each token's staleness."""
+    published versions (how long after publishing, and under `recompute` in flight the engine step after the load,
+    which re-reads the preempted sequences), each side's idle fraction since training began, and the versions a
+    completion spans (more than one only with --inflight_updates) and each token's staleness."""
     staleness = [g["staleness"] for g in batch]
     spans = [completion for g in batch for completion in g["spans"]]
     token_staleness = [s for g in batch for s in g["token_staleness"]]
     lengths = sorted(len(r) for g in batch for r in g["responses"])
     durations = sorted(g["finished"] - g["admitted"] for g in batch)
     loads = [load for g in batch for load in g["loads"]]  # (version, load start, load end) since the last group
+    reprefills = [seconds for g in batch for seconds in g["reprefills"]]
     lags = [end - stream["published_at"][v] for v, _, end in loads if v in stream["published_at"]]
     elapsed = max(time.time() - stream["start"], 1e-9)
     waiting = len(stream["early"]) + (generator.results.qsize() if generator.results is not None else 0)
@@ -475,6 +519,7 @@ def stream_stats(batch: list, discarded: int, stream: dict, generator: generator
             "rollout/seconds_max": durations[-1], "generator/version": batch[-1]["loaded"],
             **({"weights/load_seconds": sum(end - start for _, start, end in loads) / len(loads)} if loads else {}),
             **({"weights/publish_to_load_seconds": sum(lags) / len(lags)} if lags else {}),
+            **({"weights/reprefill_seconds": sum(reprefills) / len(reprefills)} if reprefills else {}),
             "inflight/multi_version_fraction": sum(len(s) > 1 for s in spans) / len(spans),
             "inflight/versions_per_completion": sum(map(len, spans)) / len(spans),
             "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
@@ -495,8 +540,9 @@ def record_groups(batch: list, prompts: list, args: Args) -> None:
 
 
 def record_version(weight_slots: Optional[torch.Tensor], table: list, version: int, args: Args) -> None:
-    """Version `version`'s weights as the generator loads them (its slot), to {output_dir}/versions/{version}.pt."""
-    if weight_slots is not None:
+    """Version `version`'s weights as the generator loads them (its slot), to {output_dir}/versions/{version}.pt
+    (every --record_every-th version)."""
+    if weight_slots is not None and version % args.record_every == 0:
         folder = os.path.join(args.output_dir, "versions")
         if not os.path.exists(os.path.join(folder, "config.json")):  # (the architecture, to load them into)
             AutoConfig.from_pretrained(args.sft_model_path).save_pretrained(folder)
@@ -552,31 +598,56 @@ def make_rollout(batch: list, prompt_order, train_prompts: list, train_answers: 
 def group_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """rewards [groups, K] -> each completion's advantage against its group: GRPO's (r - mean) / (std + 1e-6),
     Dr. GRPO's r - mean (no division by the std, which favours the easiest and hardest problems), or RLOO's
-    leave-one-out r - mean of the other K - 1. (A group whose K rewards tie has advantages 0: no signal.)"""
+    leave-one-out r - mean of the other K - 1. A group whose K rewards tie has no signal: its advantages are set to
+    exactly 0 (with real-valued rewards the float32 mean is an ulp off, and GRPO's std of an ulp would turn that
+    into an advantage of up to +-0.5 for every completion of the group)."""
+    tied = (rewards == rewards[:, :1]).all(1, keepdim=True)
     mean = rewards.mean(1, keepdim=True)
     if args.advantage == "grpo":
-        return (rewards - mean) / (rewards.std(1, keepdim=True) + 1e-6)
-    if args.advantage == "dr_grpo":
-        return rewards - mean
-    if args.advantage == "rloo":
-        return rewards - (rewards.sum(1, keepdim=True) - rewards) / (rewards.shape[1] - 1)
-    raise ValueError(f"unknown --advantage {args.advantage}")
+        advantages = (rewards - mean) / (rewards.std(1, keepdim=True) + 1e-6)
+    elif args.advantage == "dr_grpo":
+        advantages = rewards - mean
+    elif args.advantage == "rloo":
+        advantages = rewards - (rewards.sum(1, keepdim=True) - rewards) / (rewards.shape[1] - 1)
+    else:
+        raise ValueError(f"unknown --advantage {args.advantage}")
+    return advantages.masked_fill(tied, 0.0)
+
+
+def importance_weight(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, args: Args) -> tuple:
+    """The sampler's correction per token, from w = pi_prox / mu (1 under `behaviour`, where pi_prox is mu): TIS
+    truncates it at C (min(w, C)), MIS masks the tokens whose w exceeds C (0), IcePop masks those whose w leaves
+    [1/C, C], `none` leaves it out (1). Returns the corrected weight, a constant, and where it differs from w."""
+    weight, cap = torch.exp(proximal_logprobs - behaviour_logprobs).detach(), args.is_cap
+    if args.is_correction == "tis":
+        corrected = weight.clamp(max=cap)
+    elif args.is_correction == "mis":
+        corrected = weight.masked_fill(weight > cap, 0.0)
+    elif args.is_correction == "icepop":
+        corrected = weight.masked_fill((weight > cap) | (weight < 1 / cap), 0.0)
+    elif args.is_correction == "none":
+        corrected = torch.ones_like(weight)
+    else:
+        raise ValueError(f"unknown --is_correction {args.is_correction}")
+    return corrected, corrected != weight
 
 
 def grpo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, args: Args) -> tuple:
-    """Per-token terms of the clipped objective against the proximal policy, each weighted by the truncated
-    importance weight w = min(pi_prox / mu, is_cap) of the sampler mu (a constant: 1 when pi_prox is mu):
-    -w min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi / pi_prox. Returns them, r, w and where the clip acted."""
+    """Per-token terms of the clipped objective against the proximal policy, each weighted by the sampler's
+    corrected importance weight w (importance_weight; 0 where `mask` leaves a token out of the loss):
+    -w min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi / pi_prox. Returns them, r, w, where the clip acted and where
+    the correction changed w."""
     ratio = torch.exp(logprobs - proximal_logprobs)
-    weight = torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=args.is_cap).detach() * mask
+    weight, corrected = importance_weight(proximal_logprobs, behaviour_logprobs, args)
+    weight = weight * mask
     unclipped, clipped = -advantages[:, None] * ratio, -advantages[:, None] * ratio.clamp(1 - args.cliprange,
                                                                                           1 + args.cliprange)
-    return weight * torch.max(unclipped, clipped), ratio, weight, (clipped > unclipped) & (mask > 0)
+    return weight * torch.max(unclipped, clipped), ratio, weight, (clipped > unclipped) & (mask > 0), corrected
 
 
 def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, num_completions: float, args: Args) -> torch.Tensor:
-    """A micro-batch's share of the step's loss: GRPO (and RLOO) average each completion's tokens, then the
-    completions (1 / |o|: a long wrong answer is pushed down less per token); Dr. GRPO sums every token over one
+    """A micro-batch's share of its optimizer step's loss: GRPO (and RLOO) average each completion's tokens, then
+    the completions (1 / |o|: a long wrong answer is pushed down less per token); Dr. GRPO sums every token over one
     constant, the step's completions times --response_length."""
     if args.advantage == "dr_grpo":
         return token_losses.sum() / (num_completions * args.response_length)
@@ -586,52 +657,59 @@ def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, num_completions: f
 
 
 def grpo_update(learner, optimizer, scheduler, rollout: dict, args: Args, run: core.Run) -> dict:
-    """One optimizer step on the batch (gradients accumulated over its micro-batches; DDP/FSDP average over ranks:
-    the world_size factor)."""
-    steps, size, outputs = args.gradient_accumulation_steps, args.per_device_train_batch_size, []
-    for i in range(steps):
+    """--num_mini_batches optimizer steps on the batch, each on its next 1/m, gradients accumulated over the
+    mini-batch's micro-batches (DDP/FSDP average over ranks: the world_size factor). The loss reads the tokens
+    rollout["response_mask"] marks, and no others (a fork masking tokens there, a tool's output, trains on none)."""
+    steps, size, outputs, grad_norms = args.gradient_accumulation_steps, args.per_device_train_batch_size, [], []
+    for i in range(args.num_mini_batches * steps):
         micro = {key: value[i * size: (i + 1) * size] for key, value in rollout.items()}
-        skip_sync = args.world_size > 1 and not args.fsdp and i < steps - 1
-        inputs, response_mask = collate(micro["prompts"], micro["responses"], run.pad_id, run.device)
-        width = response_mask.shape[1]
+        last = (i + 1) % steps == 0  # the mini-batch's last micro-batch: then its optimizer step
+        skip_sync = args.world_size > 1 and not args.fsdp and not last
+        inputs, attended = collate(micro["prompts"], micro["responses"], run.pad_id, run.device)
+        width = attended.shape[1]
         old = {k: micro[k][:, :width].to(run.device) for k in ("proximal_logprobs", "behaviour_logprobs")}
+        mask = micro["response_mask"][:, :width].to(run.device)  # the loss's tokens: the rollout's own mask
         with learner.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast:
             logits = response_logits(learner, inputs, width)
-            logprobs = token_logprobs(logits, inputs["input_ids"], response_mask, args.temperature)
-            losses, ratio, weight, clipped = grpo_loss(logprobs, old["proximal_logprobs"], old["behaviour_logprobs"],
-                                                       micro["advantages"].to(run.device), response_mask, args)
-            # (this rank's completions' mean; DDP and FSDP average the ranks' gradients: the batch's mean)
-            aggregate(losses, response_mask, args.local_batch_size, args).backward()
-        entropy = token_entropy(logits, response_mask, args.temperature)
-        per_token = torch.stack([ratio * response_mask, weight, clipped.float(), entropy,
-                                 (logprobs - old["behaviour_logprobs"]) * response_mask]).detach().float().cpu()
+            logprobs = token_logprobs(logits, inputs["input_ids"], attended, args.temperature)
+            losses, ratio, weight, clipped, corrected = grpo_loss(
+                logprobs, old["proximal_logprobs"], old["behaviour_logprobs"], micro["advantages"].to(run.device),
+                mask, args)
+            # (this rank's mini-batch's mean; DDP and FSDP average the ranks' gradients: the mini-batch's mean)
+            aggregate(losses, mask, args.local_batch_size / args.num_mini_batches, args).backward()
+        entropy = token_entropy(logits, mask, args.temperature)
+        per_token = torch.stack([ratio * mask, weight, clipped.float(), entropy, corrected.float() * mask,
+                                 (logprobs - old["behaviour_logprobs"]) * mask]).detach().float().cpu()
         outputs.append(F.pad(per_token, (0, rollout["response_mask"].shape[1] - width)))
-    grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+        if last:  # ALGO: the mini-batch's step
+            grad_norms.append(core.clip_grad_norm(learner.parameters(), args.max_grad_norm))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
-    # What the step logs, over all ranks: the ratio and the importance weight over the tokens (1 and 1 at the first
-    # step: the sampler had the learner's weights), the clip fraction, the entropy, the reward, the lag (KL(mu || pi):
-    # k3 of the sequence log-ratio, and per token, k3 of each token's log-ratio, whose floor does not grow with the
-    # length)
-    ratio, weight, clipped, entropy, gap = torch.cat(outputs, dim=1)
+    # What the batch's steps log, over all ranks: the ratio and the importance weight over the tokens (1 and 1 at the
+    # first step: the sampler had the learner's weights), the clip fraction (0 at m = 1 under `recompute`), the
+    # share of tokens the correction changed, the entropy, the reward, the lag (KL(mu || pi): k3 of the sequence
+    # log-ratio, and per token, k3 of each token's log-ratio, whose floor does not grow with the length)
+    ratio, weight, clipped, entropy, corrected, gap = torch.cat(outputs, dim=1)
     mask, rewards = rollout["response_mask"], rollout["rewards"]
-    sequence_gap = gap.sum(1).double()  # log pi(y) - log mu(y) with the weights at the step's start
-    token_gap = gap.double()  # log pi(y_t | ...) - log mu(y_t | ...), 0 on padding
-    return {"grad/norm": grad_norm, **core.step_stats(args.world_size, {
+    sequence_gap = gap.sum(1).double()  # log pi(y) - log mu(y) with the weights at its mini-batch's start
+    token_gap = gap.double()  # log pi(y_t | ...) - log mu(y_t | ...), 0 off the mask
+    return {"grad/norm": sum(grad_norms) / len(grad_norms), **core.step_stats(args.world_size, {
         "policy/ratio_mean": (ratio, mask), "is/weight_mean": (weight, mask), "policy/clipfrac": (clipped, mask),
-        "objective/entropy": (entropy, mask), "reward/accuracy": rewards, "eos/fraction": rollout["ended"],
-        "lag/kl": torch.expm1(sequence_gap) - sequence_gap, "lag/kl_token": (torch.expm1(token_gap) - token_gap, mask),
-        "advantage/zero_fraction": (rollout["advantages"].abs() < 1e-8).float()},
+        "is/changed_fraction": (corrected, mask), "objective/entropy": (entropy, mask), "reward/accuracy": rewards,
+        "eos/fraction": rollout["ended"], "lag/kl": torch.expm1(sequence_gap) - sequence_gap,
+        "lag/kl_token": (torch.expm1(token_gap) - token_gap, mask),
+        "advantage/zero_fraction": (rollout["advantages"] == 0).float()},
         maxima={"policy/ratio_max": ratio.max().item(), "is/weight_max": weight.max().item()})}
 
 
 # --- Tokens and log-probs ------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, questions: list[str], max_length: int) -> list[list[int]]:
-    """Token ids per problem in the paper's format (after BOS where the tokenizer adds one; long prompts keep
-    their end, where 'Solution:' sits)."""
-    return core.tokenize_prompts(tokenizer, [PROMPT.format(question=q) for q in questions], max_length)
+def tokenize_prompts(tokenizer, questions: list[str], args: Args) -> list[list[int]]:
+    """Token ids per problem in --prompt_format (after BOS where the tokenizer adds one; long prompts keep
+    their end, where the format's cue, 'Solution:', sits)."""
+    return core.tokenize_prompts(tokenizer, [args.prompt_format.format(question=q) for q in questions],
+                                 args.max_prompt_length)
 
 
 def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
@@ -731,114 +809,178 @@ def weights_from_buffer(buffer: torch.Tensor, table: list) -> list:
 
 
 # --- Generator process: owns the vLLM engine, stepped by hand --------------------------------------------------------
+@dataclass
+class Stream:
+    """What the generator holds between two engine steps."""
+    slots: torch.Tensor  # the k + 1 weight slots the learner writes
+    prompts: list  # every group's prompt, in the order groups take them
+    go: Optional[dict] = None  # the learner's "go": the stream's settings (None: before training)
+    loaded: int = 0  # the version in the engine (0: the SFT weights)
+    newest: Optional[tuple] = None  # (version, slot) of the newest version published
+    taken: int = 0  # groups the learner has taken (it says so with each version)
+    next_group: int = 0  # the next group to admit
+    running: dict = field(default_factory=dict)  # request id -> (group, version admitted under, admitted at)
+    eval_request: Optional[dict] = None  # an evaluation waiting for the engine to drain
+    loads: list = field(default_factory=list)  # (version, start, end) since the last group sent
+    reprefills: list = field(default_factory=list)  # seconds of the engine step after each load that preempted
+    reprefill_due: bool = False  # the next engine step re-reads preempted sequences
+    idle: float = 0.0  # seconds with training under way and nothing to sample
+    idle_since: Optional[float] = None
+
+
 def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, requests, results,
                    cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
-    """The streaming loop: between engine steps, take the learner's messages (a complete version, an evaluation,
-    stop); load the newest version (with nothing mid-generation, or --inflight_updates: at once); admit groups
-    while the bound allows; step the engine; send each group the moment its K completions have all ended, every
-    token labelled with the version that sampled it."""
+    """The streaming loop, between two engine steps: take the learner's messages (a version, an evaluation, stop);
+    load the newest version (drained, or --inflight_updates: at once); evaluate once drained; admit groups while the
+    bound allows; one engine step, sending each group the moment its K completions have all ended, every token
+    labelled with the version that sampled it."""
     try:
         generator_io.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, stepped by hand
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import LLM
 
         llm = LLM(**engine_kwargs)
-        engine = llm.llm_engine
         results.put(dict(kind="ready"))
         start = requests.get()  # the weight slots and the prompts, in the order groups take them
-        slots, prompts = start["weight_slots"], start["prompts"]
-        loaded, newest, running, loads, eval_request = 0, None, {}, [], None  # (version 0: the SFT weights)
-        idle, idle_since, go, next_group, taken = 0.0, None, None, 0, 0
-        engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
-        while True:
-            # The learner's messages; wait for one only when there is nothing else to do
-            load_due = newest is not None and newest[0] > loaded
-            block = not running and not load_due and eval_request is None and not (
-                go is not None and can_admit(go, next_group, next_group - taken, loaded, loaded, load_due))
-            if block and idle_since is None and go is not None:  # (idle: training under way, nothing to sample)
-                idle_since = time.time()
-            while True:
-                try:
-                    message = requests.get(timeout=1.0) if block else requests.get_nowait()
-                except queue.Empty:
-                    if block:
-                        continue
-                    break
-                block = False
-                if message is None:
-                    return
-                if message["kind"] == "go":  # training begins (the generator's idle clock too)
-                    go, next_group, taken, idle_since = message, message["first_group"], message["first_group"], \
-                        time.time()
-                    if message["version"] > loaded:  # (resumed: the checkpoint's weights, in their slot)
-                        newest = (message["version"], message["slot"])
-                elif message["kind"] == "weights":  # a new version, and how many groups the learner has taken
-                    newest, taken = (message["version"], message["slot"]), message["taken"]
-                elif message["kind"] == "eval":
-                    eval_request = message
-                else:
-                    raise ValueError(f"unknown message kind {message['kind']}")
-            # ASYNC: load the newest complete version: drain, then reload (with nothing mid-generation), or, with
-            # --inflight_updates, between two engine steps with sequences mid-generation
-            if newest is not None and newest[0] > loaded and (not running or go["inflight_updates"]):
-                load_start = time.time()
-                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
-                    slots[newest[1]], weight_layout)})
-                if torch.cuda.is_available():  # done reading before the learner may rewrite the slot
-                    torch.cuda.synchronize()
-                loaded = newest[0]
-                engine.set_weight_version(str(loaded))  # (the tokens of the next steps are the new version's)
-                # The cached prefixes hold the old weights' KV: emptied. `recompute`: the running sequences are
-                # preempted too, and re-read prompt and tokens so far under the new weights when next scheduled
-                # (`keep`: they go on with their old KV, and no prefix is cached: see engine_kwargs)
-                if go["kv_on_update"] == "recompute":
-                    generator_io.reset_prefix_cache(engine, preempt_running=bool(running))
-                loads.append((loaded, load_start, time.time()))
-            if eval_request is not None and not running:  # an evaluation: drained, the newest version loaded
-                if idle_since is not None:  # (its time is not idle time)
-                    idle += time.time() - idle_since
-                results.put(evaluation(llm, eval_request, loaded, stop_id, SamplingParams, TokensPrompt))
-                eval_request, idle_since = None, time.time() if go is not None else None
+        stream = Stream(start["weight_slots"], start["prompts"])
+        llm.llm_engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
+        while take_messages(requests, stream):  # (False: the learner said stop)
+            load_newest(llm, stream, weight_layout)
+            if stream.eval_request is not None and not stream.running:
+                results.put(evaluate_drained(llm, stream, stop_id))
                 continue
-            # ASYNC: admission control: a group enters the engine only while the bound allows
-            oldest = min([loaded, *(version for _, version, _ in running.values())])  # (the oldest running group's)
-            load_due = newest is not None and newest[0] > loaded
-            while eval_request is None and go is not None and can_admit(go, next_group, next_group - taken, loaded,
-                                                                        oldest, load_due):
-                sampling = SamplingParams(n=go["n"], temperature=go["temperature"], max_tokens=go["max_tokens"],
-                                          logprobs=0, detokenize=False, stop_token_ids=[stop_id],
-                                          seed=core.sampling_seed(go["seed"], "train", next_group),
-                                          output_kind=RequestOutputKind.FINAL_ONLY)
-                prompt = TokensPrompt(prompt_token_ids=prompts[next_group % len(prompts)])
-                engine.add_request(str(next_group), prompt, sampling)
-                running[str(next_group)] = (next_group, loaded, time.time())
-                next_group += 1
-            if not running:
-                if idle_since is None and go is not None:  # (idle: training under way, and nothing to sample)
-                    idle_since = time.time()
-                continue
-            if idle_since is not None:
-                idle, idle_since = idle + time.time() - idle_since, None
-            # ASYNC: one engine step: every running sequence advances a token; a finished group leaves at once
-            for output in engine.step():
-                if not output.finished:
-                    continue
-                group, version, admitted = running.pop(output.request_id)
-                completions = output.outputs
-                # (version, first token, end) spans of each completion: one span unless loaded mid-generation
-                spans = [[(int(s.version), s.start, s.end) for s in c.weight_versions] for c in completions]
-                results.put(dict(
-                    kind="group", index=group, version=min(span[0][0] for span in spans if span), admitted=admitted,
-                    finished=time.time(), spans=spans, responses=[list(c.token_ids) for c in completions],
-                    logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)] for c in completions],
-                    ended=[c.finish_reason == "stop" for c in completions], loaded=loaded, loads=loads,
-                    idle_seconds=idle))
-                loads = []
+            admit_groups(llm.llm_engine, stream, stop_id)
+            if stream.running:
+                step_and_send(llm.llm_engine, stream, results)
     except BaseException:
         results.put(dict(kind="error", traceback=traceback.format_exc()))
         raise SystemExit(1)
+
+
+def take_messages(requests, stream: Stream) -> bool:
+    """The learner's messages since the last step ("go", a new version and how many groups it has taken, an
+    evaluation); waits for one only when there is nothing else to do. False: stop."""
+    block = not (stream.running or load_due(stream) or stream.eval_request is not None or admissible(stream))
+    if block:
+        mark_idle(stream, True)
+    while True:
+        try:
+            message = requests.get(timeout=1.0) if block else requests.get_nowait()
+        except queue.Empty:
+            if block:
+                continue
+            return True
+        block = False
+        if message is None:
+            return False
+        if message["kind"] == "go":  # training begins (the generator's idle clock too)
+            stream.go, stream.next_group, stream.taken = message, message["first_group"], message["first_group"]
+            mark_idle(stream, True)
+            if message["version"] > stream.loaded:  # (resumed: the checkpoint's weights, in their slot)
+                stream.newest = (message["version"], message["slot"])
+        elif message["kind"] == "weights":
+            stream.newest, stream.taken = (message["version"], message["slot"]), message["taken"]
+        elif message["kind"] == "eval":
+            stream.eval_request = message
+        else:
+            raise ValueError(f"unknown message kind {message['kind']}")
+
+
+def load_due(stream: Stream) -> bool:
+    return stream.newest is not None and stream.newest[0] > stream.loaded
+
+
+def load_newest(llm, stream: Stream, weight_layout: list) -> None:
+    """ASYNC: load the newest complete version from its slot: with nothing mid-generation (drain, then reload), or,
+    with --inflight_updates, between two engine steps with sequences mid-generation."""
+    if not load_due(stream) or (stream.running and not stream.go["inflight_updates"]):
+        return
+    start, (version, slot) = time.time(), stream.newest
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
+        stream.slots[slot], weight_layout)})
+    if torch.cuda.is_available():  # done reading before the learner may rewrite the slot
+        torch.cuda.synchronize()
+    stream.loaded = version
+    llm.llm_engine.set_weight_version(str(version))  # (the tokens of the next steps are the new version's)
+    # The cached prefixes hold the old weights' KV: emptied. `recompute`: the running sequences are preempted too,
+    # and re-read prompt and tokens so far under the new weights at the next step (timed: the load's hidden cost).
+    # `keep`: they go on with their old KV, and no prefix is cached (engine_kwargs)
+    if stream.go["kv_on_update"] == "recompute":
+        generator_io.reset_prefix_cache(llm.llm_engine, preempt_running=bool(stream.running))
+        stream.reprefill_due = bool(stream.running)
+    stream.loads.append((version, start, time.time()))
+
+
+def evaluate_drained(llm, stream: Stream, stop_id: int) -> dict:
+    """An evaluation, with nothing mid-generation and the newest version loaded (its time is not idle time)."""
+    mark_idle(stream, False)
+    message = evaluation(llm, stream.eval_request, stream.loaded, stop_id)
+    stream.eval_request = None
+    mark_idle(stream, True)
+    return message
+
+
+def admissible(stream: Stream) -> bool:
+    """Whether the bound admits the next group now (can_admit, with the oldest running group's version)."""
+    oldest = min([stream.loaded, *(version for _, version, _ in stream.running.values())])
+    return stream.go is not None and can_admit(stream.go, stream.next_group, stream.next_group - stream.taken,
+                                               stream.loaded, oldest, load_due(stream))
+
+
+def admit_groups(engine, stream: Stream, stop_id: int) -> None:
+    """ASYNC: admission control: a group enters the engine only while the bound allows (none while an evaluation
+    waits for the engine to drain)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    go = stream.go
+    while stream.eval_request is None and admissible(stream):
+        group = stream.next_group
+        sampling = SamplingParams(n=go["n"], temperature=go["temperature"], max_tokens=go["max_tokens"], logprobs=0,
+                                  detokenize=False, stop_token_ids=[stop_id], output_kind=RequestOutputKind.FINAL_ONLY,
+                                  seed=core.sampling_seed(go["seed"], "train", group))
+        engine.add_request(str(group), TokensPrompt(prompt_token_ids=stream.prompts[group % len(stream.prompts)]),
+                           sampling)
+        stream.running[str(group)] = (group, stream.loaded, time.time())
+        stream.next_group += 1
+    mark_idle(stream, not stream.running)
+
+
+def step_and_send(engine, stream: Stream, results) -> None:
+    """ASYNC: one engine step (every running sequence advances a token); a group whose K completions have all ended
+    leaves at once, each completion with its (version, first token, end) spans (one span unless loaded mid-way)
+    and its per-token log-probs."""
+    mark_idle(stream, False)
+    step_start = time.time()
+    outputs = engine.step()
+    if stream.reprefill_due:  # the step that re-read the preempted sequences' prefixes under the new weights
+        stream.reprefills.append(time.time() - step_start)
+        stream.reprefill_due = False
+    for output in outputs:
+        if not output.finished:
+            continue
+        group, version, admitted = stream.running.pop(output.request_id)
+        completions = output.outputs
+        spans = [[(int(s.version), s.start, s.end) for s in c.weight_versions] for c in completions]
+        results.put(dict(
+            kind="group", index=group, version=min(span[0][0] for span in spans if span), admitted=admitted,
+            finished=time.time(), spans=spans, responses=[list(c.token_ids) for c in completions],
+            logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)] for c in completions],
+            ended=[c.finish_reason == "stop" for c in completions], loaded=stream.loaded, loads=stream.loads,
+            reprefills=stream.reprefills, idle_seconds=stream.idle))
+        stream.loads, stream.reprefills = [], []
+
+
+def mark_idle(stream: Stream, idle: bool) -> None:
+    """The generator's idle clock (training under way and nothing to sample): started when it has nothing to do,
+    stopped when it samples or evaluates."""
+    if stream.go is None:
+        return
+    if idle and stream.idle_since is None:
+        stream.idle_since = time.time()
+    elif not idle and stream.idle_since is not None:
+        stream.idle, stream.idle_since = stream.idle + time.time() - stream.idle_since, None
 
 
 def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: int, load_due: bool) -> bool:
@@ -866,8 +1008,11 @@ def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: in
     raise ValueError(f"unknown --stale_policy {go['stale_policy']}")
 
 
-def evaluation(llm, request: dict, version: int, stop_id: int, SamplingParams, TokensPrompt) -> dict:
+def evaluation(llm, request: dict, version: int, stop_id: int) -> dict:
     """The test problems sampled near-greedily with the loaded version, one seed for all."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     sampling = SamplingParams(n=1, temperature=request["temperature"], max_tokens=request["max_tokens"],
                               logprobs=0, detokenize=False, stop_token_ids=[stop_id], seed=request["seed"])
     start = time.time()
@@ -938,7 +1083,7 @@ def collect(generator: generator_io.Generator, args: Args) -> dict:
 def evaluation_set(test_data, tokenizer, args: Args) -> dict:
     """The test problems (the first num_eval_prompts during training), this rank's share and its answers."""
     test_data = test_data.select(range(min(args.num_final_eval_prompts or len(test_data), len(test_data))))
-    prompts = tokenize_prompts(tokenizer, test_data["question"], args.max_prompt_length)
+    prompts = tokenize_prompts(tokenizer, test_data["question"], args)
     return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
                 my_answers=test_data["answer"][args.rank:: args.world_size])
 

@@ -1,25 +1,29 @@
-"""A capacity model of the stream, run before the job: from a short pilot's measured rates it predicts, for a grid of
+"""A capacity model of the stream, run before the job: from short pilots' measured rates it predicts, for a grid of
 k, batch size and generator share, the seconds a step, each side's idle fraction, the mean staleness, the discard
-rate and the queue; then it runs a few of those settings for real and prints predicted against measured.
+rate and the queue; it searches the settings where in-flight weight updates should pay most against draining; then
+it runs a few settings for real and prints predicted against measured, every error relative to the measured figure.
 
-The pilot is a synchronous run (k = 0: the generator and the learner take turns, so each side's rate is measured
-alone) of `fully_async_grpo.py --record_rollouts`. From it:
-  - the generator: each step's wait for its batch is the engine's work on B groups admitted at once; an engine step
-    advances every running sequence one token and costs a + b n (n: sequences running), so the batch costs
-    c + a max(length) + b sum(lengths) (c: the load and the prefill). a, b, c are fitted by least squares over the
-    pilot's steps, with each step's lengths from its rollouts;
-  - the learner: a step costs d + e (prompt and completion tokens in the batch), fitted the same way;
-  - the completion lengths: the pilot's, drawn with replacement (the long tail is the point).
+The pilots are synchronous runs (k = 0: the generator and the learner take turns, so each side's rate is measured
+alone) of `fully_async_grpo.py --record_rollouts`, at more than one batch size (--pilot_groups), so that the engine's
+step cost is seen at more than one number of sequences. From them:
+  - the generator: an engine step advances every running sequence one token and costs a + b n (n: sequences
+    running); a group's prompt is read once (f a prompt token); a weight load costs c. A batch admitted at once then
+    costs c + f (its prompts' tokens) + a max(length) + b sum(lengths): a, b, c, f fitted by least squares (every
+    coefficient at least 0) over every pilot's steps but its first, each with its own lengths from `rollouts.jsonl`;
+  - the learner: what it computes is padded: each micro-batch (--per_device_train_batch_size completions) runs at
+    its longest prompt plus its longest completion, so a step costs d + e x (padded tokens) for the update, and,
+    under `recompute`, p x the same for the proximal policy's forward pass (timed apart: `time/proximal`);
+  - the groups: the pilots' own (a prompt's length with its K completions' lengths), drawn with replacement.
 The simulation then runs the stream engine step by engine step, with the script's own admission rule (`can_admit`):
-admission under `pace`, `head` or `drop`, drain-then-reload or in-flight loads, the learner taking groups in the
-order they finish and discarding (drop) what is staler than k. A generator share s scales the pilot's rates
-linearly (the pilot: one core each, s = 1/2; a sampler with s of the devices works s / (1/2) as fast, the learner
-(1 - s) / (1/2)): how a user picks the split of GPUs between sampling and training (docs/fully_async.md).
-What it cannot tell: learning. The lengths are the pilot's policy's; a policy that learns to write longer or
+admission under `pace`, `head` or `drop`, drain-then-reload or in-flight loads (under `recompute` a load in flight
+re-reads every running sequence's prefix: f a token), the learner taking groups in the order they finish,
+discarding (drop) what is staler than k, and taking --num_mini_batches m optimizer steps a batch (d each). A
+generator share s scales the pilots' rates linearly (the pilots: one core each, s = 1/2).
+What it cannot tell: learning. The lengths are the pilots' policy's; a policy that learns to write longer or
 shorter changes them, and nothing here says whether a staleness hurts the objective (benchmarks/fully_async.py).
 
-    python benchmarks/capacity.py            # the pilot, the grid, five runs checked: about 7 minutes on 2 cores
-    python benchmarks/capacity.py --quick    # a short pilot and one run checked: checks the tool, measures little
+    python benchmarks/capacity.py            # the pilots, the grid, the design search, five runs checked: ~10 min
+    python benchmarks/capacity.py --quick    # short pilots and one run checked: checks the tool, measures little
 """
 import bisect
 import json
@@ -29,7 +33,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tyro
@@ -45,24 +49,27 @@ PILOT_SHARE = 0.5  # one core for the generator, one for the learner
 @dataclass
 class Args:
     groups: int = 16
-    """B of the pilot and of the runs checked: groups a step"""
+    """B of the runs checked: groups a step"""
+    pilot_groups: list[int] = field(default_factory=lambda: [4, 16])
+    """B of each synchronous pilot (the fits pool them: more than one batch size shows how an engine step's cost
+    grows with its sequences)"""
     num_samples: int = 4
     """K: completions a group"""
     pilot_steps: int = 24
-    """steps of the synchronous pilot (the first is left out of the fits: it warms up)"""
+    """steps of each synchronous pilot (the first is left out of the fits: it warms up)"""
     check_steps: int = 24
     """steps of each run checked against its prediction"""
     runs_dir: str = os.path.join(HERE, "runs", "capacity")
-    """where the pilot and the runs keep their folders (a finished run is read, not run again)"""
+    """where the pilots and the runs keep their folders (a finished run is read, not run again)"""
     plot_dir: str = HERE
     """where the PNG goes"""
     script_flags: str = ""
     """more flags for every fully_async_grpo.py run, after its own (on GPUs: --script_flags="--model rho-1b")"""
     quick: bool = False
-    """a 6-step pilot and one 6-step run checked: checks the tool, measures little"""
+    """6-step pilots and one 6-step run checked: checks the tool, measures little"""
 
 
-# --- The pilot and the runs: fully_async_grpo.py as a user runs it -------------------------------------------------
+# --- The pilots and the runs: fully_async_grpo.py as a user runs it -------------------------------------------------
 def run(name: str, args: Args, steps: int, groups: int, *flags: str) -> list[dict]:
     """A run's step records (running it unless its folder holds a finished one)."""
     folder = os.path.join(args.runs_dir, name)
@@ -81,27 +88,49 @@ def run(name: str, args: Args, steps: int, groups: int, *flags: str) -> list[dic
     return [r for r in map(json.loads, open(os.path.join(folder, "metrics.jsonl"))) if "staleness/mean" in r]
 
 
-def measure_rates(folder: str, steps: list[dict], groups: int) -> dict:
-    """The generator's a, b, c and the learner's d, e (seconds), fitted on the pilot's steps 2.., and its lengths."""
-    rows = [json.loads(line) for line in open(os.path.join(folder, "rollouts.jsonl"))]
-    batches = [rows[i: i + groups] for i in range(0, len(rows), groups)]
-    lengths = [[len(r) for g in batch for r in g["responses"]] for batch in batches]
-    tokens = [sum(len(r) + len(g["prompt"]) for g in batch for r in g["responses"]) for batch in batches]
-    wait = [s["time/learner_wait"] for s in steps]
-    train = [s["time/training"] for s in steps]
-    generator = np.array([[1.0, max(ls), sum(ls)] for ls in lengths[1:]])
-    c, a, b = nonnegative_fit(generator, np.array(wait[1:]))
-    d, e = nonnegative_fit(np.array([[1.0, t] for t in tokens[1:]]), np.array(train[1:]))
-    fitted = generator @ np.array([c, a, b])
-    error = float(np.mean(np.abs(fitted - np.array(wait[1:])) / np.array(wait[1:])))
-    return dict(a=a, b=b, c=c, d=d, e=e, lengths=[n for ls in lengths for n in ls], fit_error=error,
-                prompt_tokens=statistics.mean(len(r["prompt"]) for r in rows), num_samples=len(rows[0]["responses"]),
-                mean_load=statistics.mean(sum(ls) / max(ls) for ls in lengths))  # (sequences an engine step)
+def padded_tokens(groups: list, chunk: int) -> int:
+    """Tokens the learner computes for these groups ((prompt length, completion lengths), in order): every chunk of
+    `chunk` completions runs at its longest prompt plus its longest completion (collate pads each micro-batch)."""
+    rows = [(prompt, n) for prompt, lengths in groups for n in lengths]
+    return sum(len(part) * (max(p for p, _ in part) + max(n for _, n in part))
+               for part in (rows[i: i + chunk] for i in range(0, len(rows), chunk)))
+
+
+def measure_rates(pilots: list) -> dict:
+    """The generator's a, b, c, f and the learner's d, e, p (seconds), fitted over the pilots' steps 2.. (pilots:
+    (folder, step records, B) each, one micro-batch a step), each fit's mean error relative to the measured
+    seconds, and the pilots' groups."""
+    generator_x, generator_y, update_x, update_y, proximal_x, proximal_y, all_groups = [], [], [], [], [], [], []
+    for folder, steps, groups in pilots:
+        rows = [json.loads(line) for line in open(os.path.join(folder, "rollouts.jsonl"))]
+        batches = [[(len(r["prompt"]), [len(c) for c in r["responses"]]) for r in rows[i: i + groups]]
+                   for i in range(0, len(rows), groups)]
+        all_groups += [g for batch in batches for g in batch]
+        for batch, step in list(zip(batches, steps))[1:]:
+            lengths = [n for _, ls in batch for n in ls]
+            generator_x.append([1.0, sum(p for p, _ in batch), max(lengths), sum(lengths)])
+            generator_y.append(step["time/learner_wait"])  # (k = 0: the learner waits for the whole batch)
+            padded = padded_tokens(batch, len(lengths))
+            update_x.append([1.0, padded])
+            update_y.append(step["time/training"] - step.get("time/proximal", 0.0))
+            proximal_x.append([0.0, padded])
+            proximal_y.append(step.get("time/proximal", 0.0))
+    c, f, a, b = nonnegative_fit(np.array(generator_x), np.array(generator_y))
+    d, e = nonnegative_fit(np.array(update_x), np.array(update_y))
+    _, p = nonnegative_fit(np.array(proximal_x), np.array(proximal_y))
+
+    def error(x: list, y: list, coefficients: list) -> float:  # mean |fit - measured| / measured
+        return float(np.mean(np.abs(np.array(x) @ np.array(coefficients) - np.array(y)) / np.array(y)))
+
+    return dict(a=a, b=b, c=c, f=f, d=d, e=e, p=p, groups=all_groups, num_samples=len(all_groups[0][1]),
+                generator_error=error(generator_x, generator_y, [c, f, a, b]),
+                learner_error=error(update_x, [u + q for u, q in zip(update_y, proximal_y)], [d, e + p]),
+                mean_load=statistics.mean(x[3] / x[2] for x in generator_x))  # (sequences an engine step)
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
     """Least squares with every coefficient at least 0 (a negative cost is noise): the negative ones are dropped."""
-    keep = list(range(x.shape[1]))
+    keep = [i for i in range(x.shape[1]) if x[:, i].any()]
     while True:
         coefficients = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
         if (coefficients >= 0).all():
@@ -113,37 +142,59 @@ def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
 
 
 # --- The simulation: the stream, engine step by engine step ---------------------------------------------------------
-def simulate(rates: dict, k: int, groups: int, policy: str = "pace", room: int = 0, inflight: bool = False,
-             share: float = PILOT_SHARE, steps: int = 48, seed: int = 0) -> dict:
-    """The stream at these settings with these rates: seconds a step, idle fractions, staleness, discards, the queue
+@dataclass
+class Setting:
+    """What a run would do: the stream's bound and schedule, and what the learner computes."""
+    k: int
+    groups: int  # B
+    policy: str = "pace"
+    room: int = 0  # --max_in_flight (0: the default, (k + 1) B)
+    inflight: bool = False
+    proximal: str = "recompute"
+    mini_batches: int = 1  # m
+    chunk: int = 0  # --per_device_train_batch_size (0: a mini-batch's completions)
+    max_length: int = 128  # --response_length: completions cut there
+    kv: str = "recompute"  # --kv_on_update: in flight, `recompute` re-reads the running sequences' prefixes
+    share: float = PILOT_SHARE  # the generator's share of the machine
+    steps: int = 48
+
+
+def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
+    """The stream at this setting with these rates: seconds a step, idle fractions, staleness, discards, the queue
     (groups finished and not yet taken when a version is published: where the script logs `queue/depth`)."""
-    rng, speed, learner_speed = random.Random(seed), share / PILOT_SHARE, (1 - share) / PILOT_SHARE
-    go = dict(max_staleness=k, groups_per_step=groups, stale_policy=policy, max_in_flight=room or (k + 1) * groups,
-              inflight_updates=inflight)
+    rng, speed = random.Random(seed), setting.share / PILOT_SHARE
+    k, groups, inflight = setting.k, setting.groups, setting.inflight
+    go = dict(max_staleness=k, groups_per_step=groups, stale_policy=setting.policy,
+              max_in_flight=setting.room or (k + 1) * groups, inflight_updates=inflight)
     clock, loaded, next_group, running, finished, published = 0.0, 0, 0, {}, [], [(0.0, 0, 0)]
-    learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0, policy=policy)
+    learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0)
     finish_times = []  # (every group's, in order: the queue's depth when each version is published)
     generator_idle, multi_version = 0.0, []
-    while learner["version"] < steps:
-        learner_takes(learner, finished, clock, groups, k, rates, learner_speed, published)
-        if learner["version"] >= steps:
+    while learner["version"] < setting.steps:
+        learner_takes(learner, finished, clock, rates, setting, published)
+        if learner["version"] >= setting.steps:
             break
         newest, taken = max((v, n) for t, v, n in published if t <= clock)
-        if newest > loaded and (not running or inflight):  # a load: its cost is in c, charged per batch below
-            loaded = newest
+        if newest > loaded and (not running or inflight):  # a load; in flight under recompute, every running
+            loaded, clock = newest, clock + rates["c"] / speed  # sequence re-reads its prefix
+            if setting.kv == "recompute" and running:
+                reread = sum(g["prompt"] + sum(n - left for n, left in zip(g["lengths"], g["left"]))
+                             for g in running.values())
+                clock += rates["f"] * reread / speed
             for group in running.values():
                 group["versions"].add(loaded)
         oldest = min([loaded, *(g["version"] for g in running.values())])
         while can_admit(go, next_group, next_group - taken, loaded, oldest, newest > loaded):
-            lengths = [rng.choice(rates["lengths"]) for _ in range(rates["num_samples"])]
-            running[next_group] = dict(version=loaded, lengths=lengths, left=lengths, versions={loaded})
+            prompt, lengths = rng.choice(rates["groups"])
+            lengths = [min(n, setting.max_length) for n in lengths]
+            running[next_group] = dict(version=loaded, prompt=prompt, lengths=lengths, left=lengths,
+                                       versions={loaded})
+            clock += rates["f"] * prompt / speed  # (its prompt read once)
             next_group += 1
-            if next_group % groups == 0:  # (the load and prefill cost of a batch's worth of groups)
-                clock += rates["c"] / speed
         if not running:  # idle until the learner publishes
             upcoming = [t for t, _, _ in published if t > clock]
             if not upcoming:
-                raise RuntimeError(f"the stream deadlocks at k = {k}, B = {groups}, {policy}")
+                raise RuntimeError(f"the stream deadlocks at {setting}")
             generator_idle += min(upcoming) - clock
             clock = min(upcoming)
             continue
@@ -158,42 +209,52 @@ def simulate(rates: dict, k: int, groups: int, policy: str = "pace", room: int =
                 multi_version.append(len(group["versions"]) > 1)
     total = learner["free_at"]
     accepted = len(learner["staleness"])
-    return dict(seconds_a_step=total / steps, learner_idle=learner["idle"] / total,
+    return dict(seconds_a_step=total / setting.steps, learner_idle=learner["idle"] / total,
                 generator_idle=min(generator_idle / total, 1.0), staleness=statistics.mean(learner["staleness"]),
                 discarded=learner["discarded"] / (learner["discarded"] + accepted),
                 queue=statistics.mean(bisect.bisect_right(finish_times, t) - taken for t, _, taken in published[1:]),
                 multi_version=statistics.mean(multi_version or [0.0]))
 
 
-def learner_takes(learner: dict, finished: list, clock: float, groups: int, k: int, rates: dict, speed: float,
+def learner_seconds(batch: list, rates: dict, setting: Setting) -> float:
+    """A batch's training (its groups in the order they finished): m optimizer steps (d each), the update over its
+    padded tokens (e a token) and, under `recompute`, the proximal pass over the same (p a token)."""
+    chunk = setting.chunk or setting.groups * rates["num_samples"] // setting.mini_batches
+    padded = padded_tokens([(g["prompt"], g["lengths"]) for _, g in batch], chunk)
+    return (setting.mini_batches * rates["d"] + rates["e"] * padded
+            + (rates["p"] * padded if setting.proximal == "recompute" else 0.0))
+
+
+def learner_takes(learner: dict, finished: list, clock: float, rates: dict, setting: Setting,
                   published: list) -> None:
     """Every learner step whose groups have finished by the generator's clock: take them in the order they finished
-    (a group staler than k discarded), train (d + e tokens), publish the next version."""
+    (a group staler than k discarded), train, publish the next version."""
     while finished and finished[0][0] <= clock:
         finish, group = finished.pop(0)
-        too_stale = learner["version"] - group["version"] > k  # (head: kept, as the script keeps it)
-        if too_stale and learner["policy"] == "pace":
+        too_stale = learner["version"] - group["version"] > setting.k  # (head: kept, as the script keeps it)
+        if too_stale and setting.policy == "pace":
             raise RuntimeError("a group staler than k under pace: the simulation broke the bound")
-        if too_stale and learner["policy"] == "drop":
+        if too_stale and setting.policy == "drop":
             learner["discarded"] += 1
             continue
         learner["batch"].append((finish, group))
-        if len(learner["batch"]) < groups:
+        if len(learner["batch"]) < setting.groups:
             continue
         start = max(learner["free_at"], learner["batch"][-1][0])
         learner["idle"] += start - learner["free_at"]
-        tokens = sum(n + rates["prompt_tokens"] for _, g in learner["batch"] for n in g["lengths"])
-        learner["free_at"] = start + (rates["d"] + rates["e"] * tokens) / speed
+        learner_speed = (1 - setting.share) / PILOT_SHARE
+        learner["free_at"] = start + learner_seconds(learner["batch"], rates, setting) / learner_speed
         learner["staleness"] += [learner["version"] - g["version"] for _, g in learner["batch"]]
         learner["version"] += 1
         learner["batch"] = []
-        published.append((learner["free_at"], learner["version"], learner["version"] * groups + learner["discarded"]))
+        published.append((learner["free_at"], learner["version"],
+                          learner["version"] * setting.groups + learner["discarded"]))
 
 
 # --- The report ---------------------------------------------------------------------------------------------------
-def predicted(rates: dict, seeds: int = 5, **settings) -> dict:
-    """The simulation's mean over draws of the lengths."""
-    runs = [simulate(rates, seed=seed, **settings) for seed in range(seeds)]
+def predicted(rates: dict, setting: Setting, seeds: int = 5) -> dict:
+    """The simulation's mean over draws of the groups."""
+    runs = [simulate(rates, setting, seed=seed) for seed in range(seeds)]
     return {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
 
 
@@ -217,35 +278,64 @@ def line(figures: dict) -> str:
 
 def report_grid(rates: dict, args: Args) -> None:
     header = "  ".join(f"{c[:7]:>7}" for c in COLUMNS)
-    print("\npredicted, pace, drain then reload, the pilot's split (one core each), 48 steps:")
+    print("\npredicted, pace, drain then reload, the pilots' split (one core each), 48 steps:")
     print(f"  {'B':>3} {'k':>2}  {header}")
     for groups in (4, 16, 64):
         for k in (0, 1, 2, 4, 8):
-            print(f"  {groups:>3} {k:>2}  {line(predicted(rates, k=k, groups=groups))}")
+            print(f"  {groups:>3} {k:>2}  {line(predicted(rates, Setting(k, groups)))}")
     print(f"\npredicted seconds a step, k = 2, B = {args.groups}, by the generator's share of the machine:")
     for share in (0.25, 0.5, 0.75):
-        drain = predicted(rates, k=2, groups=args.groups, share=share)
-        inflight = predicted(rates, k=2, groups=args.groups, share=share, policy="head", inflight=True)
+        drain = predicted(rates, Setting(2, args.groups, share=share))
+        inflight = predicted(rates, Setting(2, args.groups, "head", inflight=True, share=share))
         print(f"  share {share:.2f}: drain then reload {drain['seconds_a_step']:.3f} s (learner idle "
               f"{drain['learner_idle']:.2f}, generator idle {drain['generator_idle']:.2f}); head, in flight "
               f"{inflight['seconds_a_step']:.3f} s (learner idle {inflight['learner_idle']:.2f})")
 
 
+def design(rates: dict, top: int = 10) -> list:
+    """Where should in-flight loads pay most on this machine? Over a grid (B from 2: a step of one group is too small
+    a batch for GRPO's statistics, and leaves the per-step work the model does not count; `--proximal`; m;
+    --response_length; k = 2, one core each), the predicted seconds a step draining and in flight under `pace` and
+    `head`, with the KV cache recomputed (every running sequence re-reads its prefix at a load) or kept. Printed
+    best first by the best in-flight speed-up; returns the rows."""
+    rows = []
+    for groups in (2, 4, 8, 16):
+        for proximal in ("recompute", "behaviour"):
+            for mini_batches in (1, 2):
+                for max_length in (64, 128):
+                    base = dict(k=2, groups=groups, proximal=proximal, mini_batches=mini_batches,
+                                max_length=max_length, steps=max(24, 192 // groups))
+                    drain = predicted(rates, Setting(**base), seeds=3)
+                    speedups = {f"{policy} {kv}": drain["seconds_a_step"] / predicted(rates, Setting(
+                        **base, policy=policy, inflight=True, kv=kv), seeds=3)["seconds_a_step"]
+                        for policy in ("pace", "head") for kv in ("recompute", "keep")}
+                    rows.append((base, drain, speedups))
+    rows.sort(key=lambda row: -max(row[2].values()))
+    print("\nwhere in-flight loads should pay most (predicted, k = 2, one core each; speed-up: draining's seconds a "
+          "step over in flight's, by rule and KV cache):")
+    print("   B  proximal   m  length  drain s  (learner idle, generator idle)  "
+          + "  ".join(f"{name:>14}" for name in rows[0][2]))
+    for base, drain, speedups in rows[:top]:
+        print(f"  {base['groups']:>2}  {base['proximal']:<9} {base['mini_batches']:>2} {base['max_length']:>6}  "
+              f"{drain['seconds_a_step']:7.3f}  ({drain['learner_idle']:.2f}, {drain['generator_idle']:.2f})"
+              f"{'':>21}" + "  ".join(f"{value:>13.2f}x" for value in speedups.values()))
+    return rows
+
+
 def report_flat_steps(rates: dict) -> None:
     """A what-if, no measurement: the engine's step cost flat in its sequences (b = 0, a step costing what the
-    pilot's did with its mean number of sequences), as GPU decoding is until memory bandwidth runs out. Where a
-    drained tail leaves the engine nearly empty but each step as dear, in-flight loads pay."""
+    pilots' did with their mean number of sequences), as GPU decoding is until memory bandwidth runs out."""
     flat = {**rates, "a": rates["a"] + rates["b"] * rates["mean_load"], "b": 0.0}
     print(f"\nwhat if an engine step cost the same with 1 sequence or many (a = {flat['a'] * 1e3:.1f} ms, b = 0; a "
           "model, not a measurement), k = 2:")
     for groups in (4, 16):
-        drain = predicted(flat, k=2, groups=groups)
-        inflight = predicted(flat, k=2, groups=groups, policy="head", inflight=True)
+        drain = predicted(flat, Setting(2, groups))
+        inflight = predicted(flat, Setting(2, groups, "head", inflight=True))
         print(f"  B = {groups:>2}: drain then reload {drain['seconds_a_step']:.3f} s a step, head in flight "
               f"{inflight['seconds_a_step']:.3f} s: {drain['seconds_a_step'] / inflight['seconds_a_step']:.2f}x")
 
 
-CHECKED = {  # name: (groups a step: the pilot's or 4, flags, the simulation's settings)
+CHECKED = {  # name: (groups a step: the runs' or 4, flags, the simulation's settings)
     "k = 2, pace": (None, ("--max_staleness", "2"), dict(k=2)),
     "k = 8, pace": (None, ("--max_staleness", "8"), dict(k=8)),
     "k = 2, drop, room 2(k+1)B": (None, ("--max_staleness", "2", "--stale_policy", "drop", "--max_in_flight", "ROOM"),
@@ -257,12 +347,14 @@ CHECKED = {  # name: (groups a step: the pilot's or 4, flags, the simulation's s
 
 
 def check(rates: dict, args: Args) -> dict:
-    """Each setting run for real beside its prediction: {name: (model, real)}."""
+    """Each setting run for real beside its prediction: {name: (model, real)}. Errors are (measured - predicted),
+    the seconds' relative to the measured seconds."""
     names = list(CHECKED)[:1] if args.quick else list(CHECKED)
     pairs = {}
     steps = 6 if args.quick else args.check_steps
     header = "  ".join(f"{c[:7]:>7}" for c in COLUMNS)
-    print(f"\npredicted against measured ({steps} steps each; error: measured - predicted; seconds: relative):")
+    print(f"\npredicted against measured ({steps} steps each; error: measured - predicted, the seconds' relative to "
+          "the measured seconds):")
     print(f"  {'':<34}        {header}")
     for name in names:
         groups, flags, settings = CHECKED[name]
@@ -271,9 +363,9 @@ def check(rates: dict, args: Args) -> dict:
         flags = tuple(room if f == "ROOM" else f for f in flags)
         settings = {key: int(room) if value == "ROOM" else value for key, value in settings.items()}
         real = measured(run(folder(name), args, steps, groups, *flags))
-        model = predicted(rates, groups=groups, steps=steps, **settings)
+        model = predicted(rates, Setting(groups=groups, steps=steps, **settings))
         error = {c: real[c] - model[c] for c in COLUMNS}
-        error["seconds_a_step"] = error["seconds_a_step"] / model["seconds_a_step"]
+        error["seconds_a_step"] = error["seconds_a_step"] / real["seconds_a_step"]
         print(f"  {name:<34} model  {line(model)}\n  {'':<34} real   {line(real)}\n  {'':<34} error  {line(error)}")
         pairs[name] = (model, real)
     return pairs
@@ -304,18 +396,32 @@ def folder(name: str) -> str:
     return "_".join("".join(c if c.isalnum() else " " for c in name).split())
 
 
+def pilots(args: Args) -> dict:
+    """The synchronous pilots at each of --pilot_groups, run (or read) and fitted; their rates printed."""
+    steps = 6 if args.quick else args.pilot_steps
+    runs = []
+    for groups in args.pilot_groups:
+        name = f"pilot_k0_B{groups}"
+        runs.append((os.path.join(args.runs_dir, name), run(name, args, steps, groups, "--max_staleness", "0",
+                                                            "--record_rollouts", "--record_every", str(10**6)),
+                     groups))
+    rates = measure_rates(runs)
+    lengths = sorted(n for _, ls in rates["groups"] for n in ls)
+    print(f"the pilots (k = 0, B = {', '.join(map(str, args.pilot_groups))}, {steps} steps each): an engine step "
+          f"a + b n = {rates['a'] * 1e3:.2f} + {rates['b'] * 1e3:.3f} n ms, a prompt token {rates['f'] * 1e3:.3f} ms, "
+          f"a load c = {rates['c']:.3f} s (the fit's mean error {rates['generator_error']:.0%} of the measured); a "
+          f"learner step d + e x padded tokens = {rates['d']:.3f} s + {rates['e'] * 1e3:.4f} ms a token, the "
+          f"proximal pass {rates['p'] * 1e3:.4f} ms a token (mean error {rates['learner_error']:.0%}); completion "
+          f"lengths p50/p90/p99 {lengths[len(lengths) // 2]}/{lengths[int(0.9 * len(lengths))]}/"
+          f"{lengths[int(0.99 * len(lengths))]} ({len(lengths)} completions)")
+    return rates
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
-    pilot_steps = 6 if args.quick else args.pilot_steps
-    pilot = run("pilot_k0", args, pilot_steps, args.groups, "--max_staleness", "0", "--record_rollouts")
-    rates = measure_rates(os.path.join(args.runs_dir, "pilot_k0"), pilot, args.groups)
-    lengths = sorted(rates["lengths"])
-    print(f"the pilot (k = 0, B = {args.groups}, {pilot_steps} steps): an engine step a + b n = "
-          f"{rates['a'] * 1e3:.2f} + {rates['b'] * 1e3:.3f} n ms, c = {rates['c']:.3f} s a batch (the fit's mean "
-          f"error {rates['fit_error']:.0%}); a learner step d + e tokens = {rates['d']:.3f} s + "
-          f"{rates['e'] * 1e3:.4f} ms a token; completion lengths p50/p90/p99 {lengths[len(lengths) // 2]}/"
-          f"{lengths[int(0.9 * len(lengths))]}/{lengths[int(0.99 * len(lengths))]} ({len(lengths)} completions)")
+    rates = pilots(args)
     report_grid(rates, args)
+    design(rates)
     report_flat_steps(rates)
     plot(check(rates, args), os.path.join(args.plot_dir, "capacity.png"))

@@ -1,28 +1,35 @@
 """The fully asynchronous schedules measured on the long-tailed chains world: `fully_async_grpo.py --model tiny`.
 
-Three tables, three seeds each, every run at the demo's hyperparameters (B = 16 groups of K = 4 a step, learning
-rate 1e-4) for --steps steps, evaluated (greedy pass@1) on all 400 test problems at the start, half-way and at the
-end, so that every gain is paired on the same problems:
-  1. the schedules: synchronous (k = 0); k in {1, 2, 4, 8} with `pace` (k = 1 is the paper's one-step schedule,
-     streamed: groups are taken as they finish, not as one batch); k in {2, 4, 8} with `drop` and twice the
-     bound's room (k = 1 left out of `drop` and of table 2 to fit the sweep in its time; at the default room `drop`
-     is `pace`: docs/fully_async.md, and the quick mode's run at that room shows it); k = 2 with in-flight weight
-     updates under `head` (`recompute`).
-     Pass@1 against steps (samples) and seconds, each side's idle fraction, staleness histograms, discards.
-  2. naive against decoupled (AReaL's staleness table in miniature): `--proximal behaviour` (the ratio against the
-     sampler) beside the `pace` runs of table 1 (`recompute`, decoupled PPO) at k in {2, 4, 8}.
-  3. in-flight updates against drain-then-reload where generation is the bottleneck: k = 2, B = 4 groups a step,
-     so that the generator drains its long tail every step; in flight under `pace` (the bound by the oldest token:
-     a slow group still holds admission back) and `head` (AReaL's rule); seconds a step, the speed-up. (What
-     `--kv_on_update keep` costs is measured token by token: benchmarks/token_versions.py.)
+Four tables, every run at the demo's hyperparameters (K = 4, learning rate 1e-4) for the completions of --steps
+steps of B = 16 groups, evaluated (greedy pass@1) on all 400 test problems at the start, half-way and at the end, so
+that every gain is paired on the same problems:
+  1. the schedules (B = 16, three seeds): synchronous (k = 0); k in {1, 2, 4, 8} with `pace` (k = 1 is the paper's
+     one-step schedule, streamed: groups are taken as they finish, not as one batch); k in {2, 4, 8} with `drop` and
+     twice the bound's room (at the default room `drop` is `pace`: docs/fully_async.md, and the quick mode's run at
+     that room shows it); k = 2 with in-flight weight updates under `head` (`recompute`). Pass@1 against steps
+     (samples) and seconds, each side's idle fraction, staleness histograms, discards.
+  2. naive against decoupled (AReaL's staleness table in miniature, three seeds): `--proximal behaviour` (the ratio
+     against the sampler) and `recompute` (decoupled PPO) at k in {2, 4, 8}, with one optimizer step a batch (the
+     `pace` runs of table 1: the ratio to the proximal policy is 1, only the truncated weight acts) and with two
+     (`--num_mini_batches 2`, AReaL's setting: the clip acts from the second on).
+  3. in-flight updates against drain-then-reload at the setting the capacity model chose before the runs
+     (benchmarks/capacity.py's design search; the prediction is in docs/fully_async.md): five seeds, each seed's
+     runs back to back; in flight under `pace` (the bound by the oldest token: a slow group still holds admission
+     back) and `head` (AReaL's rule); seconds a step, the speed-up. (What `--kv_on_update keep` costs is measured
+     token by token: benchmarks/token_versions.py.)
+  4. time to the one-step run's final pass@1 (k = 1, `pace`) for the fastest streaming schedule, both evaluated
+     every eighth of the run, seconds of training with the evaluations left out: the figure users compare with the
+     published speed-ups.
 Gaps are paired by seed (the same seed: the same prompt order and initial weights) and judged on the
-t-distribution's two-sided 95% threshold; "inconclusive" where they do not pass it. Saves fully_async.png (pass@1
-against samples and against seconds, one line per schedule). Every run keeps its folder in --runs_dir; a finished
-run is read, not run again (the sweep resumes).
+t-distribution's two-sided 95% threshold; "inconclusive" where they do not pass it. Runs go seed by seed, every
+configuration in turn. Saves fully_async.png (table 1: pass@1 against samples and against seconds). Every run keeps
+its folder in --runs_dir; a finished run is read, not run again (the sweep resumes).
 
-    python benchmarks/fully_async.py            # 45 runs: about 70 minutes on 2 idle cores
-    python benchmarks/fully_async.py --quick    # five short runs, one seed: checks the benchmark, measures nothing
+    python benchmarks/fully_async.py                # every table: about 3 hours on 2 idle cores
+    python benchmarks/fully_async.py --tables 2 3   # some of them
+    python benchmarks/fully_async.py --quick        # a few short runs, one seed: checks it, measures nothing
 """
+import math
 import os
 import statistics
 import sys
@@ -42,15 +49,19 @@ B = 16  # groups a step (the demo's)
 @dataclass
 class Args:
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """seeds of every configuration"""
+    """seeds of every configuration of tables 1, 2 and 4"""
+    inflight_seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    """seeds of table 3 (in flight against draining), each seed's pair run back to back"""
+    tables: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    """which tables to run and print"""
     steps: int = 48
-    """optimizer steps a run (tables 1 and 2: B = 16 groups of 4 a step; table 3: B = 4, twice as many steps)"""
+    """optimizer steps a run at B = 16 (a run at a smaller B takes as many completions: more steps)"""
     runs_dir: str = os.path.join(HERE, "runs", "fully_async")
     """where every run keeps its folder (a finished run is read, not run again)"""
     plot_dir: str = HERE
     """where the PNG goes"""
     quick: bool = False
-    """one seed, five short runs (each kind): checks that the benchmark works, measures nothing"""
+    """one seed, a few short runs (each kind): checks that the benchmark works, measures nothing"""
 
 
 def stream(k: int, policy: str = "pace", *more: str) -> tuple:
@@ -58,17 +69,30 @@ def stream(k: int, policy: str = "pace", *more: str) -> tuple:
     return ("--max_staleness", str(k), "--stale_policy", policy, *room, *more)
 
 
+M2 = ("--num_mini_batches", "2", "--per_device_train_batch_size", str(B * 4 // 2))  # two steps a batch
 SCHEDULES = {"k = 0 (synchronous)": stream(0), **{f"k = {k}, pace": stream(k) for k in (1, 2, 4, 8)},
              "k = 2, head, in-flight (recompute)": stream(2, "head", "--inflight_updates"),
              **{f"k = {k}, drop (room 2(k+1)B)": stream(k, "drop") for k in (2, 4, 8)}}
 DEFAULT_ROOM = {"k = 2, drop (default room)": ("--max_staleness", "2", "--stale_policy", "drop")}  # (quick only)
-NAIVE = {f"k = {k}, pace, naive": stream(k, "pace", "--proximal", "behaviour") for k in (2, 4, 8)}
-SMALL_BATCH = ("--batch_size", "16", "--per_device_train_batch_size", "16")  # B = 4 groups of 4
-DRAIN_OR_INFLIGHT = {"B = 4, drain then reload": stream(2, "pace", *SMALL_BATCH),
-                     "B = 4, pace, in-flight (recompute)": stream(2, "pace", "--inflight_updates", *SMALL_BATCH),
-                     "B = 4, head, in-flight (recompute)": stream(2, "head", "--inflight_updates", *SMALL_BATCH)}
-QUICK = ("k = 2, drop (default room)", "k = 2, drop (room 2(k+1)B)", "k = 2, pace, naive",
-         "B = 4, drain then reload", "B = 4, head, in-flight (recompute)")
+OBJECTIVES = {**{f"k = {k}, pace, naive": stream(k, "pace", "--proximal", "behaviour") for k in (2, 4, 8)},
+              **{f"k = {k}, pace, m = 2": stream(k, "pace", *M2) for k in (2, 4, 8)},
+              **{f"k = {k}, pace, naive, m = 2": stream(k, "pace", "--proximal", "behaviour", *M2) for k in (2, 4, 8)}}
+# Table 3's setting, chosen by the capacity model's design search before it ran (docs/fully_async.md, the
+# prediction): B = 2 groups a step, the naive objective (no proximal pass) and two optimizer steps a batch, where
+# the drained generator leaves the learner idle most and `head` in flight with the KV cache kept should pay 1.22x
+DESIGN_B = 2
+DESIGN = ("--batch_size", str(DESIGN_B * 4), "--per_device_train_batch_size", str(DESIGN_B * 2), "--proximal",
+          "behaviour", "--num_mini_batches", "2")
+DRAIN_OR_INFLIGHT = {"designed, drain then reload": stream(2, "pace", *DESIGN),
+                     "designed, head, in-flight (keep)": stream(2, "head", "--inflight_updates", "--kv_on_update",
+                                                                "keep", *DESIGN),
+                     "designed, head, in-flight (recompute)": stream(2, "head", "--inflight_updates", *DESIGN),
+                     "designed, pace, in-flight (recompute)": stream(2, "pace", "--inflight_updates", *DESIGN)}
+# Table 4: time to the one-step run's final pass@1, evaluated every eighth of the run
+TO_TARGET = {"k = 1, pace, evaluated often": stream(1),
+             "k = 2, drop (room 2(k+1)B), evaluated often": stream(2, "drop")}
+QUICK = ("k = 2, drop (default room)", "k = 2, drop (room 2(k+1)B)", "k = 2, pace, naive", "k = 2, pace, m = 2",
+         "designed, drain then reload", "designed, head, in-flight (recompute)")
 
 
 def folder_name(name: str, seed: int) -> str:
@@ -76,21 +100,23 @@ def folder_name(name: str, seed: int) -> str:
     return f"{'_'.join(part for part in keep.split('_') if part)}__seed{seed}"
 
 
-def sweep(configs: dict, args: Args) -> dict:
-    """{name: {seed: (steps, evals, regime)}} for the configurations this mode runs, in their order."""
+def sweep(configs: dict, seeds: list, args: Args) -> dict:
+    """{name: {seed: (steps, evals, regime)}} for the configurations this mode runs, seed by seed: every configuration
+    in turn, so that a seed's runs are minutes apart, not a block of runs apart, and the machine's drifting speed
+    does not pass for a difference between configurations. A run takes the completions of `--steps` steps of B = 16
+    (at a smaller B, more steps), evaluated at its start, half-way and its end (every eighth: "evaluated often")."""
     names = [name for name in configs if not args.quick or name in QUICK]
-    seeds = args.seeds[:1] if args.quick else args.seeds
+    seeds = seeds[:1] if args.quick else seeds
     steps = 4 if args.quick else args.steps
     quick = ("--eval_every", "0", "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick \
         else ()
     results = {name: {} for name in names}
-    # seed by seed, every configuration in turn: a seed's pairs run minutes apart, not a block of runs apart, so the
-    # machine's drifting speed does not pass for a difference between configurations
     for seed in seeds:
         for name in names:
-            per_step = 4 if "B = 4" in name else B
-            length = ("--total_episodes", str(steps * 4 * per_step * (2 if per_step == 4 else 1)),
-                      "--eval_every", str(steps // 2 * (2 if per_step == 4 else 1)))
+            per_step = DESIGN_B if name.startswith("designed") else B
+            run_steps = steps * B // per_step
+            every = run_steps // (8 if "evaluated often" in name else 2)
+            length = ("--total_episodes", str(run_steps * 4 * per_step), "--eval_every", str(every))
             results[name][seed] = run_once(folder_name(name, seed), args, "--seed", str(seed), *configs[name],
                                            *length, *quick)
     return results
@@ -143,21 +169,37 @@ def report_schedules(results: dict) -> None:
             print(f"   {'':<36} against k = 2, pace (the demo's): pass@1 {paired(final(runs), final(demo))}")
 
 
-def report_naive(naive: dict, schedules: dict) -> None:
-    print("\n2. Naive (--proximal behaviour) against decoupled (recompute), final pass@1, mean ± s.e.:")
-    for name, runs in naive.items():
-        decoupled = schedules.get(name.replace(", naive", ""))
-        against = (f"; decoupled {fmt(final(decoupled))}; naive - decoupled "
-                   f"{paired(final(runs), final(decoupled))}") if decoupled else ""
-        print(f"   {name:<24} naive {fmt(final(runs))}{against}")
+def report_objectives(objectives: dict, schedules: dict) -> None:
+    print("\n2. Naive (--proximal behaviour: the clip against the sampler) against decoupled (recompute: the clip "
+          "against the learner at the batch's start, the sampler's weight truncated), with one optimizer step a batch "
+          "(m = 1) and two (m = 2), final pass@1, mean ± s.e.:")
+    for k in (2, 4, 8):
+        runs = {name: {**schedules, **objectives}.get(name) for name in (
+            f"k = {k}, pace", f"k = {k}, pace, naive", f"k = {k}, pace, m = 2", f"k = {k}, pace, naive, m = 2")}
+        decoupled, naive, decoupled2, naive2 = runs.values()
+        for m, pair in ((1, dict(naive=naive, decoupled=decoupled)), (2, dict(naive=naive2, decoupled=decoupled2))):
+            parts = [f"{objective} {fmt(final(runs))} (clip fraction {pooled(runs, 'policy/clipfrac'):.3f})"
+                     for objective, runs in pair.items() if runs]
+            if pair["naive"] and pair["decoupled"]:
+                parts.append(f"naive - decoupled {paired(final(pair['naive']), final(pair['decoupled']))}")
+            if parts:
+                print(f"   k = {k}, m = {m}: " + "; ".join(parts))
+        if decoupled and decoupled2:
+            print(f"   k = {k}, decoupled, m = 2 - m = 1: {paired(final(decoupled2), final(decoupled))}; seconds "
+                  f"{paired(seconds(decoupled2), seconds(decoupled))}")
+
+
+def seconds(runs: dict) -> list[float]:
+    return [steps[-1]["time/elapsed"] for steps, _, _ in runs.values()]
 
 
 def report_inflight(results: dict) -> None:
-    print("\n3. In-flight updates against drain-then-reload where generation is the bottleneck (k = 2, B = 4):")
-    drain = results.get("B = 4, drain then reload")
+    print(f"\n3. In flight against drain-then-reload at the setting the capacity model chose (k = 2, B = {DESIGN_B}; "
+          "each seed's runs back to back):")
+    drain = results.get("designed, drain then reload")
     for name, runs in results.items():
         per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in runs.values()]
-        line = (f"   {name:<30} {statistics.mean(per_step):.3f} s a step; idle: learner "
+        line = (f"   {name:<40} {statistics.mean(per_step):.3f} s a step; idle: learner "
                 f"{whole_run(runs, 'idle/learner_fraction'):.2f}, generator "
                 f"{whole_run(runs, 'idle/generator_fraction'):.2f}; completions over 2+ versions "
                 f"{pooled(runs, 'inflight/multi_version_fraction'):.0%}, versions a completion "
@@ -166,9 +208,46 @@ def report_inflight(results: dict) -> None:
         if drain is not None and runs is not drain:
             drain_per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in drain.values()]
             speedups = [d / p for d, p in zip(drain_per_step, per_step)]
-            line += f"\n   {'':<30} speed-up over drain-then-reload {fmt(speedups)}x; seconds a step " \
+            line += f"\n   {'':<40} speed-up over drain-then-reload {fmt(speedups)}x; seconds a step " \
                     f"{paired(per_step, drain_per_step)}"
         print(line)
+
+
+def training_seconds(evals: list) -> list[float]:
+    """Each evaluation's seconds of training before it: its request's time less the evaluations' before it."""
+    spent, out = 0.0, []
+    for record in evals:
+        start = record.get("timeline/eval_queued_start", 0.0)
+        out.append(start - spent)
+        spent += record.get("timeline/evaluation_end", start) - start
+    return out
+
+
+def time_to(target: float, evals: list) -> float:
+    """Seconds of training until pass@1 first reaches `target` (linear between evaluations; inf if never)."""
+    times, scores = training_seconds(evals), [e["eval/pass_at_1"] for e in evals]
+    for i in range(1, len(scores)):
+        if scores[i] >= target:
+            fraction = (target - scores[i - 1]) / (scores[i] - scores[i - 1]) if scores[i] > scores[i - 1] else 1.0
+            return times[i - 1] + max(fraction, 0.0) * (times[i] - times[i - 1])
+    return math.inf
+
+
+def report_to_target(results: dict) -> None:
+    names = list(results)
+    if len(names) < 2:
+        return
+    one_step, streaming = results[names[0]], results[names[1]]
+    print("\n4. Time to the one-step run's final pass@1 (k = 1, pace, drained: its own seconds of training, "
+          "evaluations left out) for the fastest streaming schedule, seed by seed:")
+    ratios = []
+    for seed in one_step:
+        target, own = final({seed: one_step[seed]})[0], training_seconds(one_step[seed][1])[-1]
+        reached = time_to(target, streaming[seed][1])
+        ratios.append(own / reached)
+        print(f"   seed {seed}: target {target:.3f} at {own:.0f} s; {names[1]} reaches it at {reached:.0f} s: "
+              f"{own / reached:.2f}x")
+    print(f"   speed-up to the target {fmt(ratios)}x")
 
 
 def plot(results: dict, path: str) -> None:
@@ -198,14 +277,26 @@ def plot(results: dict, path: str) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
-    # (the order within a seed: the speed-up first, then the schedules and the naive objective, `drop` last)
-    order = {**DRAIN_OR_INFLIGHT, **{name: flags for name, flags in SCHEDULES.items() if "drop" not in name},
-             **NAIVE, **SCHEDULES, **(DEFAULT_ROOM if args.quick else {})}
-    results = sweep(order, args)
-    schedules = {name: results[name] for name in [*SCHEDULES, *DEFAULT_ROOM] if name in results}
-    naive = {name: results[name] for name in NAIVE if name in results}
-    inflight = {name: results[name] for name in DRAIN_OR_INFLIGHT if name in results}
-    report_schedules(schedules)
-    report_naive(naive, schedules)
-    report_inflight(inflight)
-    plot(schedules, os.path.join(args.plot_dir, "fully_async.png"))
+    schedules, objectives, inflight, to_target = {}, {}, {}, {}
+    if 1 in args.tables or 2 in args.tables:  # (the schedules, `drop` last; table 2 reads the `pace` ones)
+        keep = [*SCHEDULES, *DEFAULT_ROOM] if 1 in args.tables else ["k = 2, pace", "k = 4, pace", "k = 8, pace"]
+        order = {name: flags for name, flags in {**SCHEDULES, **(DEFAULT_ROOM if args.quick else {})}.items()
+                 if name in keep}
+        order = {**{n: f for n, f in order.items() if "drop" not in n}, **order,
+                 **(OBJECTIVES if 2 in args.tables else {})}
+        results = sweep(order, args.seeds, args)
+        schedules = {name: results[name] for name in keep if name in results}
+        objectives = {name: results[name] for name in OBJECTIVES if name in results}
+    if 3 in args.tables:
+        inflight = sweep(DRAIN_OR_INFLIGHT, args.inflight_seeds, args)
+    if 4 in args.tables and not args.quick:
+        to_target = sweep(TO_TARGET, args.seeds, args)
+    if 1 in args.tables:
+        report_schedules(schedules)
+        plot(schedules, os.path.join(args.plot_dir, "fully_async.png"))
+    if 2 in args.tables:
+        report_objectives(objectives, schedules)
+    if inflight:
+        report_inflight(inflight)
+    if to_target:
+        report_to_target(to_target)

@@ -78,6 +78,9 @@ def model_config(name: str):
     if name == "llama-3.1-8b":  # meta-llama/Llama-3.1-8B's config.json (the No Robots preset's architecture)
         return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, num_labels=1)
+    if name == "rho-1b":  # TinyLlama-1.1B's architecture, which microsoft/rho-math-1b (the GSM8k SFT's base) has
+        return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False, num_labels=1)
     hidden, layers, heads = PYTHIA[name]
     return GPTNeoXConfig(vocab_size=50304 if name != "cpu-small" else 512, hidden_size=hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
@@ -168,12 +171,34 @@ def print_estimate_table(args: Args) -> None:
           f"float32 policy and reference one after the other: {4 * llama / GIB:.1f} GiB a rank, "
           f"{7 * 4 * llama / GIB:.0f} GiB on a node of 7 learners. --save_model writes the float32 policy: "
           f"{4 * llama / 1e9:.0f} GB ({2 * llama / 1e9:.0f} GB once cast to bfloat16)")
+    print_stream_estimate()
     gold = parameter_count(model_config("pythia-6.9b"))
     embeddings = 2 * 50304 * PYTHIA["pythia-6.9b"][0] / GIB
     print(f"\nthe 6.9B gold reward model (--gold_reward_model_path) adds {2 * gold / GIB:.1f} GiB in bfloat16 "
           f"(with --fsdp over 3: a third of that, plus {embeddings:.1f} GiB of its embeddings, gathered)")
     print("not counted: the CUDA caching allocator's fragmentation, NCCL's buffers, and the peak of a checkpointed "
           "block's recomputation beyond the working set above")
+
+
+def print_stream_estimate() -> None:
+    """fully_async_grpo.py's learner rank 0: the policy in float32 with its gradients and AdamW moments (no reference,
+    no reward model), the k + 1 weight slots in bfloat16 (whole, on rank 0, under --fsdp too), one micro-batch's
+    activations (sequences of 512 + 512 tokens: 16, the preset's micro-batch, for rho-1b, 4 at 8B; PPO's arithmetic,
+    whose float32 copy of the logits the entropy makes here too, with one trained backbone), the generator's CUDA
+    context; under --fsdp over 7 learners, the policy's pieces gathered as in the DPO row."""
+    print("\nfully_async_grpo.py (GRPO, sequences of 512 + 512 tokens), learner rank 0:")
+    for name, micro in (("rho-1b", 16), ("llama-3.1-8b", 4)):
+        config = model_config(name)
+        params, hidden, layers = parameter_count(config), config.hidden_size, config.num_hidden_layers
+        e = memory_estimate(name, micro, 1024, 512, algorithm="ppo")
+        activations = e["activations / micro-batch"] - layers * micro * 1024 * hidden * 4 / GIB  # (one backbone)
+        for k in (1, 2, 4):
+            slots = (k + 1) * 2 * params / GIB
+            ddp = 16 * params / GIB + slots + activations + CUDA_CONTEXT_GIB
+            gathered = 3 * 4 * config.vocab_size * hidden / GIB
+            fsdp = 16 * params / GIB / 7 + slots + activations + CUDA_CONTEXT_GIB + gathered
+            print(f"  {name} ({params / 1e9:.2f} B, micro-batch {micro}), k = {k}: slots {slots:.1f} GiB, activations "
+                  f"{activations:.1f} GiB; total {ddp:.1f} GiB with DDP, {fsdp:.1f} GiB under --fsdp over 7 learners")
 
 
 def dpo_args(per_device_train_batch_size: int):
@@ -614,7 +639,7 @@ def inflight_reload(device: torch.device) -> str:
                                    vllm_gpu_memory_utilization=0.3))
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
     train, _ = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"), ("train", "test"))
-    prompts = fa.tokenize_prompts(tokenizer, train["question"], args.max_prompt_length)
+    prompts = fa.tokenize_prompts(tokenizer, train["question"], args)
     old = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device).eval()
     new, table = perturbed(old), fa.weight_table(old)
     slots = fa.make_weight_slots(table, fa.len_slots(args), torch.bfloat16 if use_cuda else torch.float32, device)

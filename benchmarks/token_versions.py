@@ -76,10 +76,10 @@ def token_gaps(run_dir: str, mislabel: int = 0, chunk: int = 32) -> dict:
                 here = row["label"] == version
                 row["recomputed"][here] = row_logprobs[: len(row["response"])][here]
     gaps = {"first": [], "later": []}
-    for row in rows:
+    for row in rows:  # (a token whose version was not kept, --record_every, stays NaN: left out)
         gap, later = (row["recomputed"] - row["logprobs"]).abs(), row["versions"] != row["versions"][0]
-        gaps["first"].append(gap[~later])
-        gaps["later"].append(gap[later])
+        gaps["first"].append(gap[~later & ~gap.isnan()])
+        gaps["later"].append(gap[later & ~gap.isnan()])
     return {key: torch.cat(value) for key, value in gaps.items()}
 
 

@@ -22,10 +22,12 @@ from plumbing.generator_io import GeneratorError
 
 def parse_args(args_class, tiny_defaults: dict, preset_defaults: Optional[dict] = None):
     """tyro's parse of Args; `--model tiny`, and a preset in `preset_defaults` ({name: defaults}),
-    have their own defaults (flags override them)."""
+    have their own defaults (flags override them). Given twice, the last --model names them, as it is
+    the one tyro keeps (a benchmark's `--model tiny` followed by a user's `--model rho-1b`)."""
     argv, presets = sys.argv[1:], {"tiny": tiny_defaults, **(preset_defaults or {})}
-    model = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] if i + 1 < len(argv) else None
-                  for i, a in enumerate(argv) if a == "--model" or a.startswith("--model=")), None)
+    models = [a.split("=", 1)[1] if "=" in a else argv[i + 1] if i + 1 < len(argv) else None
+              for i, a in enumerate(argv) if a == "--model" or a.startswith("--model=")]
+    model = models[-1] if models else None
     defaults = args_class(model=model, **presets[model]) if model in presets else args_class()
     return tyro.cli(args_class, default=defaults)
 

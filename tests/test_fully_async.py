@@ -1,6 +1,7 @@
 """fully_async_grpo.py: the advantages, the loss and its aggregation worked by hand, the admission bound, bad flags,
 and the stream end to end with a real vLLM engine stepped by hand: the staleness never above k (drop: by discarding;
 pace: by never sampling what would arrive staler), k = 0 on-policy, the first step's ratio and weight 1."""
+import json
 import math
 import os
 import signal
@@ -22,7 +23,8 @@ from plumbing import checkpoint
 
 
 def flags(**overrides) -> SimpleNamespace:
-    return SimpleNamespace(**{**dict(advantage="grpo", cliprange=0.2, is_cap=2.0, response_length=4), **overrides})
+    return SimpleNamespace(**{**dict(advantage="grpo", cliprange=0.2, is_cap=2.0, is_correction="tis",
+                                     response_length=4), **overrides})
 
 
 def test_group_advantages_worked_by_hand():
@@ -39,6 +41,22 @@ def test_group_advantages_worked_by_hand():
         fa.group_advantages(rewards, flags(advantage="unheard_of"))
 
 
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
+def test_a_tied_group_gets_exactly_zero_for_real_valued_rewards(advantage):
+    """A fork's reward model or partial credit gives real-valued rewards: a group whose K rewards tie must get
+    advantages of exactly 0 at any K (the float32 mean of K equal values can be an ulp off, and GRPO's division by
+    a std of an ulp turned that into up to +-0.5: K = 3 rewards of 2.9 gave -0.18 each), and a group with a real
+    difference keeps its sign."""
+    torch.manual_seed(0)
+    values = torch.cat([torch.linspace(-3, 3, 601), torch.randn(200) * 100, torch.tensor([2.9, 0.1, 1 / 3])])
+    for k in (2, 3, 4, 5, 7, 8, 16):
+        tied = fa.group_advantages(values[:, None].expand(-1, k).contiguous(), flags(advantage=advantage))
+        assert (tied == 0).all(), (k, tied.abs().max().item())
+        rewards = values[:, None].repeat(1, k)
+        rewards[:, 0] += 1.0  # one completion better than the rest
+        assert (fa.group_advantages(rewards, flags(advantage=advantage))[:, 0] > 0).all(), k
+
+
 def test_the_clipped_weighted_loss_at_and_beyond_the_clip():
     """Per token: -w min(r A, clip(r) A), r = pi / pi_prox, w = min(pi_prox / mu, cap), a constant. At r = 1 the term
     is -w A; beyond the clip (r = e^0.5 with A > 0) the term is flat at -w (1.2) A and has no gradient; w is 1 when
@@ -46,14 +64,32 @@ def test_the_clipped_weighted_loss_at_and_beyond_the_clip():
     logprobs = torch.tensor([[0.0, 0.5, 0.0]], requires_grad=True)
     proximal, behaviour = torch.zeros(1, 3), torch.tensor([[0.0, 0.0, -3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    losses, ratio, weight, clipped = fa.grpo_loss(logprobs, proximal, behaviour, torch.tensor([2.0]), mask, flags())
+    losses, ratio, weight, clipped, _ = fa.grpo_loss(logprobs, proximal, behaviour, torch.tensor([2.0]), mask, flags())
     torch.testing.assert_close(losses.detach(), torch.tensor([[-2.0, -2.0 * 1.2, 0.0]]))
     assert clipped.tolist() == [[False, True, False]] and weight.tolist() == [[1.0, 1.0, 0.0]]
     losses.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0, 0.0, 0.0]]))  # d(-w r A)/d logp = -w r A at r = 1
-    _, _, weight, _ = fa.grpo_loss(torch.zeros(1, 3), proximal, torch.tensor([[-0.2, 1.0, -5.0]]),
-                                   torch.tensor([1.0]), torch.ones(1, 3), flags())
+    _, _, weight, _, _ = fa.grpo_loss(torch.zeros(1, 3), proximal, torch.tensor([[-0.2, 1.0, -5.0]]),
+                                      torch.tensor([1.0]), torch.ones(1, 3), flags())
     torch.testing.assert_close(weight, torch.tensor([[math.exp(0.2), math.exp(-1.0), 2.0]]))  # (the last: e^5, cut)
+
+
+def test_the_corrections_worked_by_hand():
+    """w = pi_prox / mu per token, for log w = 2, 0.5, -0.5 and -2 with C = 2 (log C = 0.69): TIS truncates it at C
+    (2, e^0.5, e^-0.5, e^-2), MIS masks the tokens above C (0, e^0.5, e^-0.5, e^-2), IcePop masks those outside
+    [1/C, C] (0, e^0.5, e^-0.5, 0), `none` is 1; each says which tokens it changed."""
+    proximal, behaviour = torch.zeros(1, 4), -torch.tensor([[2.0, 0.5, -0.5, -2.0]])
+    w = [math.exp(2.0), math.exp(0.5), math.exp(-0.5), math.exp(-2.0)]
+    expected = {"tis": ([2.0, w[1], w[2], w[3]], [True, False, False, False]),
+                "mis": ([0.0, w[1], w[2], w[3]], [True, False, False, False]),
+                "icepop": ([0.0, w[1], w[2], 0.0], [True, False, False, True]),
+                "none": ([1.0] * 4, [True, True, True, True])}
+    for correction, (weights, changed) in expected.items():
+        weight, corrected = fa.importance_weight(proximal, behaviour, flags(is_correction=correction))
+        torch.testing.assert_close(weight, torch.tensor([weights]), msg=correction)
+        assert corrected.tolist() == [changed], correction
+    with pytest.raises(ValueError, match="unknown --is_correction cis"):
+        fa.importance_weight(proximal, behaviour, flags(is_correction="cis"))
 
 
 def test_the_aggregation_worked_by_hand():
@@ -93,6 +129,11 @@ def test_the_admission_bound(policy, k, loaded, oldest, next_group, in_stream, l
     (["--stale_policy", "wait"], "invalid choice 'wait' for argument '--stale-policy'"),  # (tyro's spelling)
     (["--advantage", "ppo"], "invalid choice 'ppo' for argument '--advantage'"),
     (["--kv_on_update", "keep"], "--kv_on_update keep needs --inflight_updates"),
+    (["--proximal", "behaviour", "--is_cap", "3"], "--is_correction and --is_cap act on w = pi_prox / mu"),
+    (["--proximal", "behaviour", "--is_correction", "mis"], "which is 1 under --proximal behaviour"),
+    (["--is_correction", "none"], "--is_correction none with --proximal recompute and --max_staleness 2"),
+    (["--num_mini_batches", "3"], "--num_mini_batches 3 x --per_device_train_batch_size 64 must divide the 64"),
+    (["--prompt_format", "Q: {problem}"], "has no {question}"),
 ])
 def test_bad_flags_get_one_clear_error(flags_, message, tmp_path, capsys):
     code, stderr = run_in_process("fully_async_grpo.py", "--model", "tiny", "--output_dir", str(tmp_path), *flags_,
@@ -197,17 +238,24 @@ def test_every_tokens_log_prob_is_its_own_versions(chains_dir, tmp_path):
     sampler equals its own version's, the prompt and prefix re-read under it, within 1e-4 (fp32 on a CPU; the largest
     gap measured is ~2e-5, while neighbouring versions differ by ~1e-3 at this learning rate), and mislabelled by one
     version the check fails. `keep`: the tokens of a completion's first version still match, those sampled after a
-    load do not: the KV cache of their prefix is the older weights'."""
+    load do not: the KV cache of their prefix is the older weights'. (`keep` records every other version only,
+    --record_every 2: the audit leaves out the tokens of the versions not kept; the run says what it will write.
+    `recompute` logs the engine step after each load, which re-reads the preempted sequences.)"""
     tolerance, gaps = token_versions.TOLERANCE, {}
     for kv in ("recompute", "keep"):
-        out = tmp_path / kv
+        out, every = tmp_path / kv, 2 if kv == "keep" else 1
         result = run_script(*stream_flags(chains_dir, out, "--total_episodes", "192", "--batch_size", "16",
                                           "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
-                                          "--inflight_updates", "--kv_on_update", kv, "--record_rollouts"),
+                                          "--inflight_updates", "--kv_on_update", kv, "--record_rollouts",
+                                          "--record_every", str(every)),
                             script="fully_async_grpo.py")
         assert result.returncode == 0, result.stderr[-3000:]
+        assert f"--record_rollouts: {12 // every + 1} versions of" in result.stdout, result.stdout[-2000:]
+        kept = sorted(int(name[: -len(".pt")]) for name in os.listdir(out / "versions") if name.endswith(".pt"))
+        assert kept == list(range(0, 13, every)), kept
         steps, _ = stream_metrics(out)
         assert len(steps) == 12 and all(r["staleness/max"] <= 2 for r in steps)
+        assert any("weights/reprefill_seconds" in r for r in steps) == (kv == "recompute")
         assert statistics.mean(r["inflight/multi_version_fraction"] for r in steps) > 0.2
         gaps[kv] = token_versions.token_gaps(str(out))
         assert gaps[kv]["first"].max() < tolerance and len(gaps[kv]["later"]) > 100, kv
@@ -215,3 +263,71 @@ def test_every_tokens_log_prob_is_its_own_versions(chains_dir, tmp_path):
     mislabelled = token_versions.token_gaps(str(tmp_path / "recompute"), mislabel=1)
     assert (mislabelled["first"] > tolerance).float().mean() > 0.3, mislabelled
     assert (gaps["keep"]["later"] > tolerance).float().mean() > 0.3
+
+
+def a_real_batch(chains_dir: str, tmp_path, **overrides) -> tuple:
+    """The chains world's SFT policy, a learner's Args, and a batch of 2 groups of K = 4 as make_rollout lays them
+    out: real problems, their reference solutions as the completions, one advantage each, and the policy's own
+    log-probs as both the sampler's and the proximal policy's (staleness 0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plumbing import core
+
+    args = fa.resolve_args(fa.Args(model="tiny", **{**fa.TINY_DEFAULTS, "batch_size": 8, "num_samples": 4,
+                                                     "per_device_train_batch_size": 4, **overrides},
+                                   output_dir=str(tmp_path)))
+    sft, data, _ = fa.tiny_world.chains_world(chains_dir)
+    tokenizer = AutoTokenizer.from_pretrained(sft)
+    rows = [json.loads(line) for line in open(os.path.join(data, "train.jsonl"))][:8]
+    run = core.Run(torch.device("cpu"), torch.autocast("cpu", enabled=False), *core.special_ids(tokenizer))
+    prompts = fa.tokenize_prompts(tokenizer, [r["question"] for r in rows], args)
+    responses = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
+    policy = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
+    width = max(map(len, responses))
+    own = fa.logprobs_in_chunks(policy, prompts, responses, args.temperature, 8, run)
+    rollout = dict(prompts=prompts, responses=responses, rewards=torch.zeros(8), ended=torch.ones(8),
+                   response_mask=torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses]),
+                   advantages=torch.tensor([1.0, -1.0] * 4), behaviour_logprobs=own, proximal_logprobs=own.clone())
+    return policy, args, run, rollout
+
+
+def test_the_loss_reads_the_rollouts_own_mask(chains_dir, tmp_path):
+    """A fork that masks tokens in the rollout (a tool's output, an observation) trains on none of them: the last
+    three tokens of every completion masked, two batches that differ only in those tokens take the same step (they
+    come last, so nothing before them reads them). Unmasked, the same two batches take different steps."""
+    import copy
+
+    policy, args, run, rollout = a_real_batch(chains_dir, tmp_path)
+
+    def step(masked: bool, changed: bool) -> list:
+        batch = {key: copy.deepcopy(value) for key, value in rollout.items()}
+        for i, tokens in enumerate(batch["responses"]):
+            if changed:
+                tokens[-3:] = [(t + 7) % 300 + 1 for t in tokens[-3:]]
+            if masked:
+                batch["response_mask"][i, len(tokens) - 3: len(tokens)] = 0.0
+        model = copy.deepcopy(policy)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        fa.grpo_update(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), batch, args,
+                       run)
+        return [p.detach().clone() for p in model.parameters()]
+
+    for one, other in zip(step(masked=True, changed=False), step(masked=True, changed=True)):
+        torch.testing.assert_close(one, other, rtol=0, atol=1e-6)
+    assert any(not torch.allclose(one, other, atol=1e-6) for one, other in zip(
+        step(masked=False, changed=False), step(masked=False, changed=True)))
+
+
+@pytest.mark.parametrize("num_mini_batches", [1, 2])
+def test_the_clip_acts_under_recompute_from_the_second_mini_batch(chains_dir, tmp_path, num_mini_batches):
+    """pi_prox is the learner at the batch's start: with one optimizer step a batch the ratio pi / pi_prox is 1
+    when the loss is taken and the clip fraction is exactly 0; with m = 2 the second mini-batch's ratio has moved
+    with the first step, and the clip acts."""
+    policy, args, run, rollout = a_real_batch(chains_dir, tmp_path, num_mini_batches=num_mini_batches)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    stats = fa.grpo_update(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), rollout,
+                           args, run)
+    if num_mini_batches == 1:
+        assert stats["policy/clipfrac"] == 0.0 and stats["policy/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    else:
+        assert stats["policy/clipfrac"] > 0.05, stats

@@ -30,12 +30,14 @@ def test_fully_async_quick(chains_dir, tmp_path):
     """The schedules benchmark's short runs, read from their folders: at k = 2 no group trained on is staler than 2;
     `drop` at the default room discards nothing (the room is the bound: docs/fully_async.md) while `drop` with twice
     the room discards; the naive objective's importance weight is 1 at every token (the proximal policy is the
-    sampler); in flight, completions span several versions, and draining none does; the three tables and the
+    sampler); with two optimizer steps a batch the ratio to the batch's start departs from 1 (the clip can act),
+    with one it does not; in flight, completions span several versions, and draining none does; the tables and the
     plot come out."""
     result = run_script("--quick", "--runs_dir", str(tmp_path), "--plot_dir", str(tmp_path),
                         script=os.path.join("benchmarks", "fully_async.py"))
     assert result.returncode == 0, result.stderr[-3000:]
-    for table in ("1. The schedules", "2. Naive", "3. In-flight updates", "speed-up over drain-then-reload"):
+    for table in ("1. The schedules", "2. Naive", "k = 2, m = 2: decoupled", "3. In flight against drain-then-reload",
+                  "speed-up over drain-then-reload"):
         assert table in result.stdout, result.stdout
 
     def steps(name: str) -> list:
@@ -46,27 +48,43 @@ def test_fully_async_quick(chains_dir, tmp_path):
     assert all(r["staleness/max"] <= 2 for r in default_room + more_room + steps("k_2_pace_naive"))
     assert default_room[-1]["rollouts/discarded_total"] == 0 < more_room[-1]["rollouts/discarded_total"]
     assert all(r["is/weight_mean"] == 1.0 for r in steps("k_2_pace_naive"))
-    assert all(r["inflight/multi_version_fraction"] == 0 for r in steps("B_4_drain_then_reload"))
-    assert max(r["inflight/multi_version_fraction"] for r in steps("B_4_head_in_flight_recompute")) > 0
+    assert max(r["policy/ratio_max"] for r in steps("k_2_pace_m_2")) > 1 + 1e-4
+    assert all(r["policy/clipfrac"] == 0 for r in steps("k_2_drop_default_room"))  # (m = 1, recompute)
+    assert all(r["inflight/multi_version_fraction"] == 0 for r in steps("designed_drain_then_reload"))
+    assert max(r["inflight/multi_version_fraction"] for r in steps("designed_head_in_flight_recompute")) > 0
     assert (tmp_path / "fully_async.png").stat().st_size > 1000
 
 
 def test_the_capacity_model_worked_by_hand():
     """The simulation on rates chosen so that its answer is known: k = 0 with every completion 10 tokens long and an
-    engine step of a constant 10 ms, a batch costs c + 10 a to sample and d + e x tokens to train, taken in turn
-    (nothing overlaps), so a step takes exactly their sum, each side idle while the other works. With k = 2 the
-    two overlap: a step takes the slower side's time, the faster side idles, and under `pace` staleness never
-    passes 2 (the simulation raises if it does)."""
-    rates = dict(a=0.01, b=0.0, c=0.05, d=0.1, e=0.001, lengths=[10], prompt_tokens=20, num_samples=4)
-    sample, train = 0.05 + 10 * 0.01, 0.1 + 0.001 * 16 * 4 * 30  # c + a L; d + e tokens (B = 16 groups of 4)
-    synchronous = capacity.simulate(rates, k=0, groups=16, steps=10)
-    assert synchronous["seconds_a_step"] == pytest.approx(sample + train)
-    assert synchronous["learner_idle"] == pytest.approx(sample / (sample + train))
+    engine step of a constant 10 ms, a batch costs c (its load: none for the first, the SFT weights are in place) +
+    10 a to sample and d + e x padded tokens to train (64 completions at 20 + 10 tokens), taken in turn (nothing
+    overlaps), so a step takes their sum, each side idle while the other works. With k = 2 the two overlap: a step
+    takes the slower side's time, the faster side idles, and under `pace` staleness never passes 2 (the simulation
+    raises if it does). The proximal pass costs p a padded token under `recompute` only; m = 2 adds a d."""
+    rates = dict(a=0.01, b=0.0, c=0.05, f=0.0, d=0.1, e=0.001, p=0.0005, groups=[(20, [10] * 4)], num_samples=4)
+    padded = 16 * 4 * (20 + 10)
+    train = 0.1 + (0.001 + 0.0005) * padded
+    synchronous = capacity.simulate(rates, capacity.Setting(k=0, groups=16, steps=10))
+    sampling = 10 * 0.01 + 9 * (0.05 + 10 * 0.01)  # (the first batch without a load)
+    assert synchronous["seconds_a_step"] == pytest.approx((sampling + 10 * train) / 10)
+    assert synchronous["learner_idle"] == pytest.approx(sampling / (sampling + 10 * train))
     assert synchronous["staleness"] == 0 and synchronous["discarded"] == 0
-    overlapped = capacity.simulate(rates, k=2, groups=16, steps=40)
+    overlapped = capacity.simulate(rates, capacity.Setting(k=2, groups=16, steps=40))
     assert overlapped["seconds_a_step"] == pytest.approx(train, rel=0.05)  # (training is the slower side)
     assert overlapped["generator_idle"] > 0.5 and overlapped["learner_idle"] < 0.1
     assert 1.5 < overlapped["staleness"] <= 2
+    behaviour = capacity.simulate(rates, capacity.Setting(k=2, groups=16, steps=40, proximal="behaviour",
+                                                          mini_batches=2))
+    assert behaviour["seconds_a_step"] == pytest.approx(0.2 + 0.001 * padded, rel=0.05)
+
+
+def test_padded_tokens_are_what_the_learner_computes():
+    """Each micro-batch runs at its longest prompt plus its longest completion: two groups of two completions, a
+    short group (prompt 10, completions 1 and 3) and a long one (prompt 20, completions 5 and 9): one micro-batch of
+    4 is 4 x (20 + 9) = 116 tokens; micro-batches of 2, 2 x (10 + 3) + 2 x (20 + 9) = 84."""
+    groups = [(10, [1, 3]), (20, [5, 9])]
+    assert capacity.padded_tokens(groups, 4) == 116 and capacity.padded_tokens(groups, 2) == 84
 
 
 def test_capacity_quick(chains_dir, tmp_path):
@@ -74,7 +92,8 @@ def test_capacity_quick(chains_dir, tmp_path):
     result = run_script("--quick", "--runs_dir", str(tmp_path), "--plot_dir", str(tmp_path),
                         script=os.path.join("benchmarks", "capacity.py"))
     assert result.returncode == 0, result.stderr[-3000:]
-    for line in ("the pilot (k = 0, B = 16, 6 steps): an engine step a + b n", "predicted, pace, drain then reload",
-                 "by the generator's share of the machine", "predicted against measured", "model", "real", "error"):
+    for line in ("the pilots (k = 0, B = 4, 16, 6 steps each): an engine step a + b n",
+                 "predicted, pace, drain then reload", "by the generator's share of the machine",
+                 "where in-flight loads should pay most", "predicted against measured", "model", "real", "error"):
         assert line in result.stdout, result.stdout
     assert (tmp_path / "capacity.png").stat().st_size > 1000

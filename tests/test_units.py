@@ -356,7 +356,7 @@ def _lag_mini_batch(script: str, prompts: list, responses: list, generator: torc
 @pytest.mark.parametrize("script, flags", [
     ("async_dpo", dict(loss="dpo")), ("async_dpo", dict(loss="best_of_k_sft")), ("sync_baseline", dict(loss="dpo")),
     ("gsm8k_async_dpo", {}), ("async_rloo", dict(num_samples=2)), ("async_ppo", dict(num_samples=2)),
-    ("fully_async_grpo", {})])
+    ("fully_async_grpo", {"is_correction": "tis"})])
 def test_the_per_token_lag_kl_is_the_mean_k3_over_the_tokens_read(script, flags, tiny_dir):
     """lag/kl_token, worked by hand: mean over every token the step reads of exp(d_t) - 1 - d_t, d_t = log pi(y_t) -
     log mu(y_t), weighted by tokens; lag/kl beside it is the mean over completions of the same term of their summed d.
@@ -438,6 +438,20 @@ def test_the_chatbot_preset_has_table_7s_defaults_and_flags_override_them(monkey
         assert args.sft_model_revision.startswith("costa_finetune_tulu3_8b_norobot__meta-llama_Meta-Llama-3.1-8B")
         assert args.reward_model_revision == "reward_modeling__1__1725760619" and args.batch_size % 7 == 0
         assert script.PRESETS[args.model][2] == "HuggingFaceH4/no_robots"
+
+
+def test_the_last_model_flag_names_the_defaults_as_tyro_keeps_it(monkeypatch):
+    """A benchmark runs `fully_async_grpo.py --model tiny ... --model rho-1b` (its own flag, then the user's): tyro
+    keeps the last, so the defaults must be the last one's too (the first used to name them: rho-1b trained with the
+    tiny world's learning rate and batch)."""
+    import fully_async_grpo
+    from plumbing import launch
+
+    monkeypatch.setattr(sys, "argv", ["x.py", "--model", "tiny", "--num_samples", "4", "--model", "rho-1b"])
+    args = launch.parse_args(fully_async_grpo.Args, fully_async_grpo.TINY_DEFAULTS)
+    assert (args.model, args.learning_rate, args.batch_size, args.num_samples) == ("rho-1b", 1e-6, 512, 4)
+    monkeypatch.setattr(sys, "argv", ["x.py", "--model=rho-1b", "--model", "tiny"])
+    assert launch.parse_args(fully_async_grpo.Args, fully_async_grpo.TINY_DEFAULTS).learning_rate == 1e-4
 
 
 def test_a_resume_compares_hub_models_by_repository_and_commit_not_by_cache_path(tmp_path, capsys):
