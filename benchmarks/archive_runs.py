@@ -2,8 +2,8 @@
 printed (and any computed after it) can be recomputed from the runs themselves, without running them again.
 
 Each run keeps its metrics.jsonl, less the few sample summaries each evaluation prints (`eval/samples`) and with
-floats to 9 significant digits; a sweep script pointed at the unpacked folder reads every finished run back instead
-of running it:
+floats to 9 significant digits, and the small files a sweep marks a finished run with (`regime.txt`, `done`); a sweep
+script pointed at the unpacked folder reads every finished run back instead of running it:
 
     python benchmarks/archive_runs.py benchmarks/runs/off_policy docs/runs/off_policy.tar.xz
     mkdir -p benchmarks/runs && tar -xJf docs/runs/off_policy.tar.xz -C benchmarks/runs
@@ -14,6 +14,8 @@ import json
 import os
 import sys
 import tarfile
+
+MARKERS = ("regime.txt", "done")  # what fully_async.py and capacity.py read to tell a finished run
 
 
 def short(value):
@@ -36,9 +38,13 @@ def pack(runs_dir: str, archive: str) -> int:
             text = "".join(json.dumps({k: short(v) for k, v in r.items() if k != "eval/samples"}) + "\n"
                            for r in records)
             data = text.encode()
-            info = tarfile.TarInfo(f"{sweep}/{name}/metrics.jsonl")
-            info.size, info.mtime = len(data), 0  # (the same runs give the same archive)
-            tar.addfile(info, io.BytesIO(data))
+            files = {"metrics.jsonl": data, **{marker: open(os.path.join(runs_dir, name, marker), "rb").read()
+                                                for marker in MARKERS if os.path.exists(os.path.join(runs_dir, name,
+                                                                                                     marker))}}
+            for filename, content in files.items():
+                info = tarfile.TarInfo(f"{sweep}/{name}/{filename}")
+                info.size, info.mtime = len(content), 0  # (the same runs give the same archive)
+                tar.addfile(info, io.BytesIO(content))
     return len(runs)
 
 
