@@ -297,7 +297,10 @@ def design(rates: dict, top: int = 10) -> list:
     a batch for GRPO's statistics, and leaves the per-step work the model does not count; `--proximal`; m;
     --response_length; k = 2, one core each), the predicted seconds a step draining and in flight under `pace` and
     `head`, with the KV cache recomputed (every running sequence re-reads its prefix at a load) or kept. Printed
-    best first by the best in-flight speed-up; returns the rows."""
+    best first by the best in-flight speed-up; returns the rows. What it prices from pilots that did not run it:
+    m (a second optimizer step costs d, fitted from pilots at m = 1: measured at B = 2, m = 2 cost 19 ms a step more
+    than that) and `keep` (prefix caching off, so a group's K samples each read the prompt: not charged). Pilot at
+    the m and --kv_on_update you mean to run (--script_flags) before trusting the search's top row."""
     rows = []
     for groups in (2, 4, 8, 16):
         for proximal in ("recompute", "behaviour"):
