@@ -178,7 +178,7 @@ def report_objectives(objectives: dict, schedules: dict) -> None:
             f"k = {k}, pace", f"k = {k}, pace, naive", f"k = {k}, pace, m = 2", f"k = {k}, pace, naive, m = 2")}
         decoupled, naive, decoupled2, naive2 = runs.values()
         for m, pair in ((1, dict(naive=naive, decoupled=decoupled)), (2, dict(naive=naive2, decoupled=decoupled2))):
-            parts = [f"{objective} {fmt(final(runs))} (clip fraction {pooled(runs, 'policy/clipfrac'):.3f})"
+            parts = [f"{objective} {fmt(final(runs))} (clip fraction {pooled(runs, 'policy/clipfrac'):.1e})"
                      for objective, runs in pair.items() if runs]
             if pair["naive"] and pair["decoupled"]:
                 parts.append(f"naive - decoupled {paired(final(pair['naive']), final(pair['decoupled']))}")
@@ -240,14 +240,21 @@ def report_to_target(results: dict) -> None:
     one_step, streaming = results[names[0]], results[names[1]]
     print("\n4. Time to the one-step run's final pass@1 (k = 1, pace, drained: its own seconds of training, "
           "evaluations left out) for the fastest streaming schedule, seed by seed:")
-    ratios = []
+    reached = []
     for seed in one_step:
         target, own = final({seed: one_step[seed]})[0], training_seconds(one_step[seed][1])[-1]
-        reached = time_to(target, streaming[seed][1])
-        ratios.append(own / reached)
-        print(f"   seed {seed}: target {target:.3f} at {own:.0f} s; {names[1]} reaches it at {reached:.0f} s: "
-              f"{own / reached:.2f}x")
-    print(f"   speed-up to the target {fmt(ratios)}x")
+        when = time_to(target, streaming[seed][1])
+        reached.append(own / when)
+        print(f"   seed {seed}: target {target:.3f} at {own:.0f} s; {names[1]} "
+              + (f"reaches it at {when:.0f} s: {own / when:.2f}x" if math.isfinite(when) else
+                 f"never reaches it (its final pass@1 {final({seed: streaming[seed]})[0]:.3f})"))
+    missed = sum(r == 0 for r in reached)
+    print(f"   speed-up to the target: {fmt([r for r in reached if r])}x over the seeds that reached it"
+          + (f"; {missed} of {len(reached)} never did: inconclusive" if missed else ""))
+    own, theirs = ([training_seconds(runs[seed][1])[-1] for seed in one_step] for runs in (one_step, streaming))
+    print(f"   the same {len(one_step[next(iter(one_step))][0])} steps: seconds of training, streaming - one-step "
+          f"{paired(theirs, own)} ({statistics.mean(own) / statistics.mean(theirs):.2f}x); final pass@1 "
+          f"{paired(final(streaming), final(one_step))}")
 
 
 def plot(results: dict, path: str) -> None:
