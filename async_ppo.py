@@ -30,7 +30,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import tiny_world
-from plumbing import checkpoint, core, generator_io, launch, metrics
+from plumbing import checkpoint, core, generator_io, launch, lora, metrics
 from plumbing.reward_models import load_reward_models
 
 TLDR_DATASET = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
@@ -50,7 +50,8 @@ TINY_DEFAULTS = dict(
 # Flags a resumed run may change: where and how it logs, and its evaluations (they draw no training
 # sample). Any other difference from the checkpoint's run is refused, naming the flag.
 MAY_DIFFER_ON_RESUME = {
-    "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "verbose", "tiny_dir",
+    "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "save_merged", "verbose",
+    "tiny_dir",
     "vllm_gpu_memory_utilization", "generator_cores", "gradient_checkpointing", "save_every", "resume_from",
     "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
     "eval_temperature", "eval_response_length"}
@@ -182,6 +183,17 @@ class Args:
     fsdp: bool = False
     """under torchrun, shard every model over the learners with FSDP2 (default: DDP)"""
 
+    # LoRA (plumbing/lora.py)
+    lora_rank: int = 0
+    """train a rank-r LoRA adapter on the frozen SFT weights instead of every weight (0: full fine-tuning); the
+    reference is then the base with the adapter off, and the hand-off carries the adapter only"""
+    lora_alpha: Optional[float] = None
+    """LoRA's scale: the adapter adds alpha / r x B A to each weight it targets (default: 2 r)"""
+    lora_target_modules: Optional[list[str]] = None
+    """the modules that get an adapter, by name (default: `all-linear`, every linear layer but the output)"""
+    save_merged: bool = False
+    """with --save_model and LoRA: also save the adapter merged into the base, to {output_dir}/model_merged"""
+
     # filled in at runtime by resolve_args, from the flags above
     run_name: str = ""
     """`{model}__{exp_name}__{seed}__{time}`"""
@@ -270,7 +282,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
     with torch.device("meta"):  # the buffer's layout needs the config only, no weights
-        weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
+        weight_layout = weight_table(lora.add_adapter(AutoModelForCausalLM.from_config(config), args))
     generator = generator_io.Generator()  # (the other ranks get its messages from rank 0)
     if args.rank == 0:
         generator = start_generator(engine_kwargs(args, config, use_cuda), weight_layout,
@@ -284,25 +296,33 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     # Each goes to the learner's device as it loads (--fsdp: sharded there block by block), so that
     # neither the host nor the device holds two whole models at a time (at 8B, 30 GiB each)
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
-    policy = core.on_learner(core.train_without_dropout(policy, args.gradient_checkpointing), args, device)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
-    ref_policy = core.on_learner(ref_policy.eval().requires_grad_(False), args, device)
+    policy = lora.add_adapter(core.train_without_dropout(policy, args.gradient_checkpointing), args)
+    policy = core.on_learner(policy, args, device)  # (LoRA: the base frozen, the adapter trains)
+    if args.lora_rank:  # the reference is the SFT policy: with LoRA, the policy with its adapter off
+        ref_policy = lora.AdapterOff(policy)  # (no second copy of the weights)
+    else:
+        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
+        ref_policy = core.on_learner(ref_policy.eval().requires_grad_(False), args, device)
     reward_models = {name: core.on_learner(model, args, device) for name, model in load_reward_models(
         args, tokenizer, (train_data, eval_data), dtype).items()}
     # The value model starts as the reward model (as in the paper) and trains beside the policy; it
-    # reads the policy's tokens, so a reward model that re-tokenises gives way to the SFT policy
+    # reads the policy's tokens, so a reward model that re-tokenises gives way to the SFT policy.
+    # With LoRA it still trains every weight: it never goes to the generator, so an adapter would
+    # shrink no hand-off, only its memory (docs/algorithms.md, LoRA: the choice and its cost)
     value_start = args.sft_model_path if reward_models["proxy"].retokenize else args.reward_model_path
     value_model = AutoModelForSequenceClassification.from_pretrained(
         value_start, dtype=torch.float32, num_labels=1)
     value_model = core.on_learner(core.train_without_dropout(value_model, args.gradient_checkpointing), args, device)
     learner = PolicyAndValue(policy, value_model)  # one module: one DDP or FSDP2 wrapper for both
     learner = core.shard_or_replicate(learner, args, device)  # (DDP or FSDP2: what the optimizer trains)
-    optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
+    trained = [p for p in learner.parameters() if p.requires_grad]  # (LoRA: the adapter's)
+    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.num_steps)
     weight_buffer = None
     if args.rank == 0:  # ASYNC: the hand-off's buffer, allocated once the models are sharded
         weight_buffer = make_weight_buffer(weight_layout, dtype, device)
-        submit(generator, dict(kind="weight_buffer", weight_buffer=weight_buffer))
+        submit(generator, dict(kind="weight_buffer", weight_buffer=weight_buffer,
+                               adapter_config=lora.adapter_config(policy)))  # (LoRA: its settings)
 
     # The prompt order: a fresh shuffle of the training prompts for each pass over them, in rounds
     train_prompts = core.tokenize_prompts(tokenizer, train_data["query"], args.max_prompt_length)
@@ -424,8 +444,10 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     run_evaluation(collect(generator, args), training_start=training_start)
     progress.close()
     metrics.print_regime(metrics_file)  # which side waited, and the paper's knob for it
-    if args.save_model:
+    if args.save_model:  # (LoRA: the adapter, in PEFT's format; --save_merged: merged too)
         core.save_policy(policy, tokenizer, args)
+        if args.save_merged:
+            lora.save_merged(policy, tokenizer, args)
 
 
 # --- Tokens and log-probs -------------------------------------------------------------------------
@@ -721,9 +743,12 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
 def weight_table(model: torch.nn.Module) -> list:
-    """(name, offset, shape) of every parameter in one flat buffer, in model.parameters() order."""
+    """(name, offset, shape) of every parameter that trains (LoRA: the adapter's) in one flat buffer, in
+    model.parameters() order: the generator has the rest (the frozen base) already."""
     table, offset = [], 0
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         table.append((name, offset, tuple(param.shape)))
         offset += param.numel()
     return table
@@ -742,7 +767,8 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
     Every rank calls it (gathering an FSDP2 shard is a collective); only rank 0 has a buffer."""
     from torch.distributed.tensor import DTensor
 
-    for (name, offset, shape), param in zip(table, model.parameters()):
+    trained = [param for param in model.parameters() if param.requires_grad]  # (LoRA: the adapter)
+    for (name, offset, shape), param in zip(table, trained):
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
@@ -771,14 +797,19 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         results.put(dict(kind="ready"))
         # The hand-off's buffer comes first (shared memory, or CUDA IPC on GPU): the learner allocates
         # it once its models are in place, so that at 8B it does not add to the learner's load peak
-        weight_buffer = requests.get()["weight_buffer"]
+        start = requests.get()
+        weight_buffer, adapter_config = start["weight_buffer"], start["adapter_config"]  # (LoRA's, or None)
         loaded_version = 0  # the engine starts from the SFT checkpoint: the learner's version 0
+        adapter = None  # LoRA: the loaded version's adapter (None: the base, version 0's exactly)
         while (request := requests.get()) is not None:
             load_start = time.time()
             if request["weights_version"] != loaded_version:
                 # In place (vllm/model_executor/model_loader/reload/): captured CUDA graphs stay valid
                 weights = weights_from_buffer(weight_buffer, weight_layout)
-                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                if adapter_config is None:
+                    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                else:  # LoRA: the base stays; the new version's adapter samples every request from now on
+                    adapter = lora.load_adapter(llm, weights, request["weights_version"], adapter_config)
                 if torch.cuda.is_available():  # done reading before the learner may rewrite it
                     torch.cuda.synchronize()
                 loaded_version = request["weights_version"]
@@ -790,7 +821,7 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                         for i in range(len(request["prompts"]))]
             generation_start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]],
-                                   sampling, use_tqdm=False)
+                                   sampling, lora_request=adapter, use_tqdm=False)
             completions = [c for out in outputs for c in out.outputs]
             results.put(dict({k: v for k, v in request.items() if k != "prompts"},
                              generation_version=loaded_version,
@@ -818,6 +849,7 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
         kwargs["kv_cache_memory_bytes"] = min(max(token_bytes * max_model_len * sequences, 2**25), 2**33)
         # no chunked prefill: it moves a seeded request's generator back, which a CPU one cannot do
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+    kwargs.update(lora.engine_kwargs(args, max_loras=1))  # LoRA: one version at a time, loaded between rounds
     return kwargs
 
 

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiny_world
-from plumbing import checkpoint, core, generator_io, launch, metrics
+from plumbing import checkpoint, core, generator_io, launch, lora, metrics
 
 # --model: (SFT policy, dataset, the prompt format the policy was trained on; {question}: the problem)
 PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k",
@@ -55,7 +55,8 @@ TINY_DEFAULTS = dict(
 # Flags a resumed run may change: where and how it logs, and its evaluations (they draw no training
 # sample). Any other difference from the checkpoint's run is refused, naming the flag.
 MAY_DIFFER_ON_RESUME = {
-    "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "verbose", "tiny_dir",
+    "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "save_merged", "verbose",
+    "tiny_dir",
     "vllm_gpu_memory_utilization", "generator_cores", "record_rollouts", "record_every", "gradient_checkpointing",
     "save_every", "resume_from", "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts",
     "num_final_eval_prompts", "eval_temperature", "eval_response_length"}
@@ -194,6 +195,17 @@ class Args:
     fsdp: bool = False
     """under torchrun, shard the policy over the learners with FSDP2 (default: DDP)"""
 
+    # LoRA (plumbing/lora.py)
+    lora_rank: int = 0
+    """train a rank-r LoRA adapter on the frozen SFT weights instead of every weight (0: full fine-tuning); the
+    hand-off then carries the adapter only"""
+    lora_alpha: Optional[float] = None
+    """LoRA's scale: the adapter adds alpha / r x B A to each weight it targets (default: 2 r)"""
+    lora_target_modules: Optional[list[str]] = None
+    """the modules that get an adapter, by name (default: `all-linear`, every linear layer but the output)"""
+    save_merged: bool = False
+    """with --save_model and LoRA: also save the adapter merged into the base, to {output_dir}/model_merged"""
+
     # filled in at runtime by resolve_args, from the flags above
     run_name: str = ""
     """`{model}__{exp_name}__{seed}__{time}`"""
@@ -236,6 +248,9 @@ def resolve_args(args: Args) -> Args:
          "behaviour"),
         (args.kv_on_update == "keep" and not args.inflight_updates, "--kv_on_update keep needs --inflight_updates "
          "(draining before every load, no KV cache outlives its version)"),
+        (args.lora_rank > 0 and args.inflight_updates, "--inflight_updates with --lora_rank: vLLM samples a running "
+         "request with the adapter it was admitted under to its end (a new adapter reaches new requests only), so "
+         "a load could not reach the running tokens; with LoRA the engine drains before each load"),
     ]:
         if bad:
             core.fail(message)
@@ -300,7 +315,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
     with torch.device("meta"):  # the buffer's layout needs the config only, no weights
-        weight_layout = weight_table(AutoModelForCausalLM.from_config(config))
+        weight_layout = weight_table(lora.add_adapter(AutoModelForCausalLM.from_config(config), args))
     generator = generator_io.Generator()  # (the other ranks get its messages from rank 0)
     if args.rank == 0:
         generator = start_generator(engine_kwargs(args, config, use_cuda), weight_layout, run.eos_id,
@@ -312,9 +327,11 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     # The policy trains in float32 (under autocast on GPU), loaded on the CPU and moved to the learner
     # (--fsdp: sharded there block by block). No reference model: no KL penalty, as in DAPO and Dr. GRPO
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32)
-    policy = core.on_learner(core.train_without_dropout(policy, args.gradient_checkpointing), args, device)
+    policy = lora.add_adapter(core.train_without_dropout(policy, args.gradient_checkpointing), args)
+    policy = core.on_learner(policy, args, device)  # (LoRA: the base frozen, the adapter trains)
     learner = core.shard_or_replicate(policy, args, device)  # (DDP or FSDP2: what the optimizer trains)
-    optimizer = torch.optim.AdamW(learner.parameters(), lr=args.learning_rate, fused=use_cuda)
+    trained = [p for p in learner.parameters() if p.requires_grad]  # (LoRA: the adapter's)
+    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # (constant, as GRPO runs go)
 
     # The prompt order: a fresh shuffle of the training prompts for each pass over them, for as many groups as
@@ -328,8 +345,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     weight_slots = None  # ASYNC: k + 1 slots: the learner never overwrites a version the generator may be loading
     if args.rank == 0:
         weight_slots = make_weight_slots(weight_layout, len_slots(args), dtype, device)
-        submit(generator, dict(kind="start", weight_slots=weight_slots,
-                               prompts=[train_prompts[i] for i in prompt_order]))
+        submit(generator, dict(kind="start", weight_slots=weight_slots, adapter_config=lora.adapter_config(policy),
+                               prompts=[train_prompts[i] for i in prompt_order]))  # (LoRA: its settings)
     if not shares_gpu0:
         collect(generator, args)  # "ready": vLLM was built while we loaded our model
 
@@ -351,6 +368,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                        f"{args.output_dir}/versions (--record_every {args.record_every})")
         write_weight_snapshot(policy, None if weight_slots is None else weight_slots[0], weight_layout)
         record_version(weight_slots, weight_layout, 0, args)
+        if args.rank == 0 and args.lora_rank:  # (LoRA: the versions are adapters on the SFT weights)
+            with open(os.path.join(args.output_dir, "versions", "adapter_config.json"), "w") as f:
+                json.dump(lora.adapter_config(policy), f)
     stream = dict(early=[], taken=next_group, accepted=0, discarded=0, learner_idle=0.0, published_at={},
                   generator_idle=0.0)  # (taken: groups the learner has taken from the stream, the next one's index)
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
@@ -445,8 +465,10 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     progress.close()
     if args.rank == 0:
         tqdm.write(metrics.idle_regime(stream["learner_idle"], stream["generator_idle"], time.time() - training_start))
-    if args.save_model:
+    if args.save_model:  # (LoRA: the adapter, in PEFT's format; --save_merged: merged too)
         core.save_policy(policy, tokenizer, args)
+        if args.save_merged:
+            lora.save_merged(policy, tokenizer, args)
 
 
 # --- The stream: taking groups, publishing versions ---------------------------------------------------------------
@@ -773,9 +795,12 @@ def logprobs_in_chunks(model, prompts: list, responses: list, temperature: float
 
 # --- Weight hand-off: k + 1 slots, written by the learner, read by the generator ------------------------------------
 def weight_table(model: torch.nn.Module) -> list:
-    """(name, offset, shape) of every parameter in one flat slot, in model.parameters() order."""
+    """(name, offset, shape) of every parameter that trains (LoRA: the adapter's) in one flat slot, in
+    model.parameters() order: the generator has the rest (the frozen base) already."""
     table, offset = [], 0
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         table.append((name, offset, tuple(param.shape)))
         offset += param.numel()
     return table
@@ -795,7 +820,8 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
     collective); only rank 0 has the slots."""
     from torch.distributed.tensor import DTensor
 
-    for (name, offset, shape), param in zip(table, model.parameters()):
+    trained = [param for param in model.parameters() if param.requires_grad]  # (LoRA: the adapter)
+    for (name, offset, shape), param in zip(table, trained):
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
@@ -814,6 +840,8 @@ class Stream:
     """What the generator holds between two engine steps."""
     slots: torch.Tensor  # the k + 1 weight slots the learner writes
     prompts: list  # every group's prompt, in the order groups take them
+    adapter_config: Optional[dict]  # LoRA's settings (None: full fine-tuning)
+    adapter: object = None  # LoRA: the loaded version's adapter, a LoRARequest (None: the base, version 0's exactly)
     go: Optional[dict] = None  # the learner's "go": the stream's settings (None: before training)
     loaded: int = 0  # the version in the engine (0: the SFT weights)
     newest: Optional[tuple] = None  # (version, slot) of the newest version published
@@ -842,7 +870,7 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         llm = LLM(**engine_kwargs)
         results.put(dict(kind="ready"))
         start = requests.get()  # the weight slots and the prompts, in the order groups take them
-        stream = Stream(start["weight_slots"], start["prompts"])
+        stream = Stream(start["weight_slots"], start["prompts"], start["adapter_config"])
         llm.llm_engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
         while take_messages(requests, stream):  # (False: the learner said stop)
             load_newest(llm, stream, weight_layout)
@@ -896,8 +924,11 @@ def load_newest(llm, stream: Stream, weight_layout: list) -> None:
     if not load_due(stream) or (stream.running and not stream.go["inflight_updates"]):
         return
     start, (version, slot) = time.time(), stream.newest
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_from_buffer(
-        stream.slots[slot], weight_layout)})
+    weights = weights_from_buffer(stream.slots[slot], weight_layout)
+    if stream.adapter_config is None:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    else:  # LoRA (drained: refused in flight): the new version's adapter samples every group admitted from now on
+        stream.adapter = lora.load_adapter(llm, weights, version, stream.adapter_config)
     if torch.cuda.is_available():  # done reading before the learner may rewrite the slot
         torch.cuda.synchronize()
     stream.loaded = version
@@ -914,7 +945,7 @@ def load_newest(llm, stream: Stream, weight_layout: list) -> None:
 def evaluate_drained(llm, stream: Stream, stop_id: int) -> dict:
     """An evaluation, with nothing mid-generation and the newest version loaded (its time is not idle time)."""
     mark_idle(stream, False)
-    message = evaluation(llm, stream.eval_request, stream.loaded, stop_id)
+    message = evaluation(llm, stream.eval_request, stream.loaded, stream.adapter, stop_id)
     stream.eval_request = None
     mark_idle(stream, True)
     return message
@@ -941,7 +972,7 @@ def admit_groups(engine, stream: Stream, stop_id: int) -> None:
                                   detokenize=False, stop_token_ids=[stop_id], output_kind=RequestOutputKind.FINAL_ONLY,
                                   seed=core.sampling_seed(go["seed"], "train", group))
         engine.add_request(str(group), TokensPrompt(prompt_token_ids=stream.prompts[group % len(stream.prompts)]),
-                           sampling)
+                           sampling, lora_request=stream.adapter)
         stream.running[str(group)] = (group, stream.loaded, time.time())
         stream.next_group += 1
     mark_idle(stream, not stream.running)
@@ -1008,7 +1039,7 @@ def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: in
     raise ValueError(f"unknown --stale_policy {go['stale_policy']}")
 
 
-def evaluation(llm, request: dict, version: int, stop_id: int) -> dict:
+def evaluation(llm, request: dict, version: int, adapter, stop_id: int) -> dict:
     """The test problems sampled near-greedily with the loaded version, one seed for all."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -1016,7 +1047,8 @@ def evaluation(llm, request: dict, version: int, stop_id: int) -> dict:
     sampling = SamplingParams(n=1, temperature=request["temperature"], max_tokens=request["max_tokens"],
                               logprobs=0, detokenize=False, stop_token_ids=[stop_id], seed=request["seed"])
     start = time.time()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling,
+                           lora_request=adapter, use_tqdm=False)
     return dict(kind="eval", final=request["final"], generation_version=version, requested=start,
                 weight_load_start=start, generation_start=start, generation_end=time.time(),
                 responses=[list(out.outputs[0].token_ids) for out in outputs])
@@ -1044,6 +1076,7 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
         kwargs["kv_cache_memory_bytes"] = min(max(token_bytes * max_model_len * sequences, 2**25), 2**33)
         # no chunked prefill: it moves a seeded request's generator back, which a CPU one cannot do
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+    kwargs.update(lora.engine_kwargs(args, max_loras=1))  # LoRA: drained before each load, one version at a time
     return kwargs
 
 

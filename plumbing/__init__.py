@@ -12,5 +12,6 @@ above it:
     reward_models  loading a reward model; scoring with a tokenizer of its own (re-tokenising)
     metrics        metrics.jsonl and wandb, the console's evaluations, timings
     checkpoint     --save_every and --resume_from
+    lora           --lora_rank: the adapter added, the reference's wrapper, an adapter handed to vLLM
     launch         parsing the flags, starting the run, a clean exit on every path
 """

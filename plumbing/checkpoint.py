@@ -15,11 +15,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from tqdm import tqdm
 
 from plumbing.core import fail, reduce_max
 from plumbing.metrics import keep_metrics_covered, wandb_run_id
+
+# What trains, not the frozen weights (LoRA's base: the SFT checkpoint's, read from it again on resume). Loading,
+# strict=False lets the frozen keys be absent: every trained one is there, or DCP's load has already refused it
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+TRAINED_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 LOOP = ("round", "version", "buffer_version", "last_eval", "pending_evals")  # the loop's state
 TERM = threading.Event()  # SIGTERM arrived (see launch.run)
@@ -55,7 +60,7 @@ def save(args, loop: tuple, score_next_evaluation: Callable, learner, optimizer,
         os.makedirs(folder + ".new")
     if args.world_size > 1:
         dist.barrier()
-    model_state, optim_state = get_state_dict(learner, optimizer)
+    model_state, optim_state = get_state_dict(learner, optimizer, options=TRAINED)
     with warnings.catch_warnings():  # (one learner: "torch.distributed is disabled", as it is)
         warnings.simplefilter("ignore")
         dcp.save({"model": model_state, "optim": optim_state}, no_dist=args.world_size == 1,
@@ -90,7 +95,7 @@ def resume(args, learner, optimizer, scheduler, weight_buffer, metrics_file) -> 
     states of a checkpoint, and metrics.jsonl as far as it covers. Returns the loop's state."""
     saved, folder = read(args.resume_from), checkpoint_folder(args.resume_from)
     allocate_optimizer_state(optimizer)
-    model_state, optim_state = get_state_dict(learner, optimizer)
+    model_state, optim_state = get_state_dict(learner, optimizer, options=TRAINED)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -101,7 +106,8 @@ def resume(args, learner, optimizer, scheduler, weight_buffer, metrics_file) -> 
         detail = (str(cause).strip().splitlines() or [""])[0][:200]
         fail(f"--resume_from {args.resume_from}: damaged checkpoint ({type(cause).__name__}"
              f"{': ' + detail if detail else ''})")
-    set_state_dict(learner, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(learner, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=TRAINED_LOAD)
     scheduler.load_state_dict(saved["scheduler"])
     if weight_buffer is not None:
         weight_buffer.copy_(saved["weight_buffer"])

@@ -52,6 +52,14 @@ def check_flags(args, positive: tuple = ("temperature", "eval_temperature"),
          f"per-process batch ({local} prompts)"),
         (args.total_episodes < per_round, f"--total_episodes {args.total_episodes} is smaller than "
          f"one generation round ({per_round} prompts)"),
+        # LoRA (plumbing.lora): flags that set an adapter need a rank; vLLM sizes adapters up to rank 512
+        (args.lora_rank < 0, f"--lora_rank must be 0 (full fine-tuning) or positive, got {args.lora_rank}"),
+        (args.lora_rank == 0 and (args.lora_alpha is not None or args.lora_target_modules is not None
+                                  or args.save_merged), "--lora_alpha, --lora_target_modules and --save_merged "
+         "set LoRA's adapter: give --lora_rank r > 0 too (0, the default, trains every weight)"),
+        (args.lora_rank > 512, f"--lora_rank {args.lora_rank}: vLLM's engine takes adapters of rank at most 512"),
+        (args.save_merged and not args.save_model, "--save_merged saves the merged model beside the adapter: "
+         "give --save_model too"),
     ]:
         if bad:
             fail(message)
@@ -193,7 +201,8 @@ def on_learner(model: torch.nn.Module, args, device: torch.device) -> torch.nn.M
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or []):
             fully_shard(module)
-    for child in model.children():
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # (LoRA: peft calls it directly)
+    for child in inner.children():
         fully_shard(child)
     fully_shard(model)
     return model
@@ -329,10 +338,11 @@ def clip_grad_norm(parameters, max_norm: Optional[float]) -> float:
 
 
 def local_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's parameters, detached: under FSDP2 its shard of each (DTensor.to_local)."""
+    """This rank's parameters that train (LoRA: the adapter's), detached: under FSDP2 its shard of each
+    (DTensor.to_local)."""
     from torch.distributed.tensor import DTensor
 
-    return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+    return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters() if p.requires_grad]
 
 
 def parameters_copy(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -362,7 +372,7 @@ def chunks(n: int, size: int, model: torch.nn.Module) -> list[slice]:
     from torch.distributed.fsdp import FSDPModule
 
     parts = [slice(i, i + size) for i in range(0, n, size)]
-    if isinstance(model, FSDPModule):
+    if any(isinstance(module, FSDPModule) for module in model.modules()):  # (LoRA's reference: the policy inside)
         parts += parts[-1:] * (int(reduce_max(len(parts), dist.get_world_size())) - len(parts))
     return parts
 

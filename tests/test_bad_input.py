@@ -19,6 +19,11 @@ from conftest import run_in_process, run_script
     (["--dataset", "/no/such/data.jsonl"], "--dataset /no/such/data.jsonl"),
     (["--eval_split", "test"], "no 'test' split"),
     (["--sft_model_revision", "main"], "--sft_model_revision main: --sft_model_path"),  # a local folder
+    (["--lora_alpha", "16"], "--lora_alpha, --lora_target_modules and --save_merged set LoRA's adapter"),
+    (["--lora_target_modules", "q_proj"], "give --lora_rank r > 0 too"),
+    (["--lora_rank", "8", "--lora_target_modules", "q_proj", "v_proj"], "--lora_target_modules q_proj v_proj: "),
+    (["--lora_rank", "1024"], "--lora_rank 1024: vLLM's engine takes adapters of rank at most 512"),
+    (["--lora_rank", "8", "--save_merged"], "--save_merged saves the merged model beside the adapter"),
 ])
 def test_bad_flags_are_rejected_early(tiny_dir, tmp_path, flags, message, capsys):
     code, stderr = run_in_process("async_dpo.py", "--model", "tiny", "--output_dir", str(tmp_path), *flags,

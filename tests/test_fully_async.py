@@ -134,6 +134,7 @@ def test_the_admission_bound(policy, k, loaded, oldest, next_group, in_stream, l
     (["--is_correction", "none"], "--is_correction none with --proximal recompute and --max_staleness 2"),
     (["--num_mini_batches", "3"], "--num_mini_batches 3 x --per_device_train_batch_size 64 must divide the 64"),
     (["--prompt_format", "Q: {problem}"], "has no {question}"),
+    (["--lora_rank", "8", "--inflight_updates"], "--inflight_updates with --lora_rank"),
 ])
 def test_bad_flags_get_one_clear_error(flags_, message, tmp_path, capsys):
     code, stderr = run_in_process("fully_async_grpo.py", "--model", "tiny", "--output_dir", str(tmp_path), *flags_,

@@ -1,0 +1,152 @@
+"""LoRA (--lora_rank): the reference is the base with the adapter off; the hand-off carries the adapter only and it
+reaches the sampler (checked against the learner's log-probs, and a fork that never hands it to the sampler is
+caught); every script trains with it; the adapter saves in PEFT's format (and merged) and resumes exactly."""
+import math
+import os
+
+import pytest
+import torch
+from conftest import REPO, TORCHRUN_2, run_script
+from test_end_to_end import read_metrics
+from test_fully_async import stream_flags, stream_metrics
+from test_resume import RUN, assert_same_run, run_and_stop
+from transformers import AutoModelForCausalLM
+
+import async_dpo
+from benchmarks import token_versions
+from plumbing import lora
+
+SHORT = ("--model", "tiny", "--total_episodes", "192", "--eval_every", "0", "--num_eval_prompts", "32",
+         "--num_final_eval_prompts", "64", "--lora_rank", "8", "--learning_rate", "1e-3")
+
+
+def test_the_reference_is_the_base_with_the_adapter_off(tiny_dir):
+    """A fresh adapter (B = 0) gives the SFT model's logits exactly; a trained one moves them, and with it off
+    (the reference, lora.AdapterOff) they are the SFT model's again, bit for bit: no second copy of the weights.
+    The hand-off's table holds the adapter's tensors only, under a tenth of the policy's parameters."""
+    sft = os.path.join(tiny_dir, "sft")
+    base = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32).eval()
+    policy = lora.add_adapter(AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32),
+                              async_dpo.Args(lora_rank=8)).eval()
+    ids = torch.randint(0, base.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = base(input_ids=ids).logits
+        assert torch.equal(policy(input_ids=ids).logits, expected)
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+        assert not torch.allclose(policy(input_ids=ids).logits, expected, atol=1e-3)
+        assert torch.equal(lora.AdapterOff(policy)(input_ids=ids).logits, expected)
+    table = async_dpo.weight_table(policy)
+    assert table and all(".lora_A." in name or ".lora_B." in name for name, _, _ in table)
+    handed = sum(math.prod(shape) for _, _, shape in table)
+    assert handed == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    assert handed < sum(p.numel() for p in base.parameters()) / 10
+
+
+def test_the_sampler_samples_with_the_learners_adapter_and_a_skipped_delivery_is_caught(tiny_dir, tmp_path):
+    """sync_baseline.py samples each batch with the weights it trains (staleness 0): with LoRA, vLLM's log-prob of
+    every pair equals the learner's at every step (the adapter of version v reached the sampler before it sampled
+    round v), and the first DPO loss is ln 2. A fork whose generator loads each adapter but never names it in the
+    request (the silent no-op of an adapter that never reaches the sampler) trains, logs plausible losses, and is
+    caught: from the second step on, the sampler's log-probs are the base's, and the per-token KL between sampler and
+    learner (lag/kl_token, 1e-13 when the adapter arrives) is above 1e-5 at every step (measured 1.4e-4 to 2.7e-3)."""
+    out = tmp_path / "run"
+    result = run_script(*SHORT, "--tiny_dir", tiny_dir, "--output_dir", str(out), script="sync_baseline.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps, evals = read_metrics(str(out))
+    assert len(steps) == 6 and steps[0]["loss/dpo"] == pytest.approx(math.log(2), abs=1e-6)
+    assert all(abs(r["logps/generator_gap"]) < 1e-4 and r["lag/kl_token"] < 1e-8 for r in steps)
+    assert all(r["lag/update"] > 0 for r in steps) and steps[-1]["loss/dpo"] < math.log(2)
+
+    script = open(os.path.join(REPO, "sync_baseline.py")).read()
+    named = "sampling, lora_request=adapter, use_tqdm=False)"
+    assert script.count(named) == 1
+    fork = tmp_path / "sync_baseline_unnamed_adapter.py"
+    fork.write_text(script.replace(named, "sampling, use_tqdm=False)"))
+    forked = tmp_path / "fork"
+    result = run_script(*SHORT, "--tiny_dir", tiny_dir, "--output_dir", str(forked), script=str(fork),
+                        env={"PYTHONPATH": REPO})
+    assert result.returncode == 0, result.stderr[-3000:]
+    fork_steps, _ = read_metrics(str(forked))
+    assert abs(fork_steps[0]["logps/generator_gap"]) < 1e-4  # (version 0: the base on both sides)
+    assert all(r["lag/kl_token"] > 1e-5 for r in fork_steps[1:]), [r["lag/kl_token"] for r in fork_steps]
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("async_ppo.py", ("--recompute_old_logprobs", "--is_correction", "truncate")),
+    ("async_rloo.py", ("--recompute_old_logprobs", "--is_correction", "truncate")),
+    ("gsm8k_async_dpo.py", ()),
+])
+def test_every_one_step_script_trains_an_adapter_exact_at_its_first_step(script, flags, tmp_path):
+    """With LoRA, the first step reads completions of the SFT weights with a learner that is the SFT weights (B = 0):
+    PPO's and RLOO's ratio and importance weight are 1, GSM8k's DPO loss is ln 2; then the adapter moves."""
+    out = tmp_path / "run"
+    result = run_script(*SHORT, "--output_dir", str(out), *flags, script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps, _ = read_metrics(str(out), step_metric="staleness", eval_metric="eval/num_prompts")
+    first = steps[0]
+    if script == "gsm8k_async_dpo.py":
+        assert first["loss/dpo"] == pytest.approx(math.log(2), abs=1e-6)
+    else:
+        assert abs(first["policy/ratio_mean"] - 1) < 1e-5 and abs(first["policy/ratio_max"] - 1) < 1e-4
+        assert abs(first["is/weight_min"] - 1) < 1e-5 and abs(first["is/weight_max"] - 1) < 1e-5
+    assert all(r["lag/update"] > 0 for r in steps)
+
+
+def test_async_dpo_with_lora_sharded_over_two_ranks_saves_the_adapter_and_the_merged_model(tiny_dir, tmp_path):
+    """Two FSDP2 ranks (the reference's forwards are collectives too: as many on each rank), the first DPO loss
+    ln 2; --save_model writes the adapter in PEFT's format, loadable with PeftModel.from_pretrained, and
+    --save_merged a plain checkpoint whose log-probs are the adapter's."""
+    from peft import PeftModel
+
+    out = tmp_path / "run"
+    result = run_script(*SHORT, "--tiny_dir", tiny_dir, "--output_dir", str(out), "--eval_every", "3", "--fsdp",
+                        "--save_model", "--save_merged", launcher=TORCHRUN_2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps, evals = read_metrics(str(out))
+    assert steps[0]["loss/dpo"] == pytest.approx(math.log(2), abs=1e-6) and [r["step"] for r in evals] == [0, 3, 6]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out / "model"))
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"), dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, out / "model").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "model_merged", dtype=torch.float32).eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-4, rtol=0)
+        with adapted.disable_adapter():
+            assert not torch.allclose(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-3)
+
+
+def test_every_token_of_the_stream_is_its_versions_adapter(chains_dir, tmp_path):
+    """fully_async_grpo.py with LoRA (k = 2, draining before each load): each recorded version is an adapter; every
+    token's sampler log-prob equals its own version's recomputed by the learner's model (the SFT weights with that
+    adapter), within the tolerance of the full-weight check, and mislabelled by one version the check fails."""
+    out = tmp_path / "run"
+    result = run_script(*stream_flags(chains_dir, out, "--total_episodes", "192", "--batch_size", "16",
+                                      "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
+                                      "--lora_rank", "8", "--record_rollouts"), script="fully_async_grpo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps, _ = stream_metrics(out)
+    assert len(steps) == 12 and all(r["staleness/max"] <= 2 for r in steps)
+    assert abs(steps[0]["policy/ratio_mean"] - 1) < 1e-5 and abs(steps[0]["is/weight_mean"] - 1) < 1e-5
+    assert abs(steps[0]["is/weight_max"] - 1) < 1e-4
+    gaps = token_versions.token_gaps(str(out))
+    assert len(gaps["first"]) > 1000 and gaps["first"].max() < token_versions.TOLERANCE
+    mislabelled = token_versions.token_gaps(str(out), mislabel=1)
+    assert (mislabelled["first"] > token_versions.TOLERANCE).float().mean() > 0.2, mislabelled
+
+
+def test_a_lora_run_stopped_and_resumed_is_the_run_that_never_stopped(tiny_dir, tmp_path):
+    """The checkpoint holds what trains (the adapter and its AdamW state; the frozen base is the SFT checkpoint's):
+    stopped by SIGTERM and resumed, every step and evaluation equals the straight run's exactly."""
+    straight = tmp_path / "straight"
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--output_dir", str(straight), "--save_every", "2",
+                        "--lora_rank", "8", "--learning_rate", "1e-3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    stopped = tmp_path / "stopped"
+    run_and_stop("async_dpo.py", tiny_dir, stopped, 2, "--lora_rank", "8", "--learning_rate", "1e-3")
+    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--save_every", "100", "--resume_from", str(stopped),
+                        "--lora_rank", "8", "--learning_rate", "1e-3")
+    assert result.returncode == 0 and "resumed at step" in result.stdout, result.stderr[-3000:]
+    assert_same_run(straight, stopped, ("loss/dpo", "logps/chosen", "logps/rejected", "reward/mean",
+                                        "logps/generator_gap"))
