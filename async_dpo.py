@@ -48,6 +48,11 @@ PRESET_DEFAULTS = {"llama-3.1-8b-no-robots": dict(
     beta=0.03, missing_eos_penalty=-10.0, response_length=1024, eval_response_length=1024,
     total_episodes=100_000, batch_size=252, per_device_train_batch_size=2, num_eval_prompts=252,
 )}
+# The chatbot with LoRA on one learner GPU beside vLLM's (docs/gpu.md: one GPU shared, or two): a rank-64 adapter
+# on every linear layer at 10x the learning rate (the demo's sweep and the field's rule of thumb), 256 prompts a step
+PRESETS["llama-3.1-8b-no-robots-lora"] = PRESETS["llama-3.1-8b-no-robots"]
+PRESET_DEFAULTS["llama-3.1-8b-no-robots-lora"] = dict(
+    PRESET_DEFAULTS["llama-3.1-8b-no-robots"], lora_rank=64, learning_rate=8e-6, batch_size=256)
 # `--model tiny` swaps in defaults that train a locally built toy model on 2 CPU cores in minutes.
 TINY_DEFAULTS = dict(
     lag_every=1, learning_rate=1e-4, response_length=16, max_prompt_length=64, total_episodes=1920,
@@ -91,7 +96,8 @@ class Args:
     """show vLLM's own log on the console (by default it goes to {output_dir}/generator.log)"""
 
     # Models and data
-    model: Literal["tiny", "pythia-410m", "pythia-1b", "pythia-2.8b", "llama-3.1-8b-no-robots"] = "pythia-2.8b"
+    model: Literal["tiny", "pythia-410m", "pythia-1b", "pythia-2.8b", "llama-3.1-8b-no-robots",
+                   "llama-3.1-8b-no-robots-lora"] = "pythia-2.8b"
     """preset naming the SFT policy, reward model and dataset; `tiny`: a toy world built on CPU"""
     sft_model_path: Optional[str] = None
     """SFT policy (hub name or local folder), also the frozen reference (default: the preset's)"""

@@ -44,7 +44,7 @@ from types import SimpleNamespace  # noqa: E402
 
 import async_dpo  # noqa: E402
 import tiny_world  # noqa: E402
-from plumbing import checkpoint, core  # noqa: E402
+from plumbing import checkpoint, core, lora  # noqa: E402
 from plumbing.generator_io import Generator, GeneratorError  # noqa: E402
 
 GIB = 2**30
@@ -171,6 +171,7 @@ def print_estimate_table(args: Args) -> None:
           f"float32 policy and reference one after the other: {4 * llama / GIB:.1f} GiB a rank, "
           f"{7 * 4 * llama / GIB:.0f} GiB on a node of 7 learners. --save_model writes the float32 policy: "
           f"{4 * llama / 1e9:.0f} GB ({2 * llama / 1e9:.0f} GB once cast to bfloat16)")
+    print_lora_estimate()
     print_stream_estimate()
     gold = parameter_count(model_config("pythia-6.9b"))
     embeddings = 2 * 50304 * PYTHIA["pythia-6.9b"][0] / GIB
@@ -178,6 +179,50 @@ def print_estimate_table(args: Args) -> None:
           f"(with --fsdp over 3: a third of that, plus {embeddings:.1f} GiB of its embeddings, gathered)")
     print("not counted: the CUDA caching allocator's fragmentation, NCCL's buffers, and the peak of a checkpointed "
           "block's recomputation beyond the working set above")
+
+
+def lora_parameters(config, rank: int) -> int:
+    """An adapter's parameters on every linear layer of the blocks (peft's all-linear: the output layer left out):
+    rank x (inputs + outputs) for each."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = peft.get_peft_model(AutoModelForCausalLM.from_config(config),
+                                    peft.LoraConfig(r=rank, target_modules="all-linear"))
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def print_lora_estimate(rank: int = 64, gpu_gib: float = 79.2) -> None:
+    """The No Robots preset with LoRA (async_dpo.py --model llama-3.1-8b-no-robots-lora) on one learner process:
+    the base frozen in float32 (as the policy always is here: no gradient, no AdamW state), the adapter with its
+    gradients and AdamW moments (16 bytes a parameter), no reference (the adapter off), the reward model and the
+    buffer (the adapter alone) in bfloat16, the activations of one micro-batch as in the full-weight row (the
+    adapter's own are a rank-r sliver), the generator's CUDA context. vLLM beside it: its bfloat16 weights, the
+    adapter slot (max_lora_rank x every linear layer, bfloat16), the rest KV cache."""
+    config = model_config("llama-3.1-8b")
+    params, adapter = parameter_count(config), lora_parameters(config, rank)
+    print(f"\nLlama 3.1 8B with LoRA (rank {rank} on every linear layer: {adapter / 1e6:.0f} M parameters, "
+          f"{adapter / params:.2%} of {params / 1e9:.2f} B), DPO, one learner process:")
+    for micro in (2, 1):
+        e = memory_estimate("llama-3.1-8b", micro, 512 + 1024, 1024)
+        rows = {"base fp32 (frozen)": e["policy weights"], "adapter + grads + AdamW": 16 * adapter / GIB,
+                "reference": 0.0, "reward model": e["reward model"], "buffer (adapter, bf16)": 2 * adapter / GIB,
+                "activations / micro-batch": e["activations / micro-batch"],
+                "generator's CUDA context": CUDA_CONTEXT_GIB}
+        learner = sum(rows.values())
+        optimizer_saved = e["gradients + AdamW"] - rows["adapter + grads + AdamW"]
+        buffer_saved = e["weight buffer"] - rows["buffer (adapter, bf16)"]
+        vllm = 2 * params / GIB + 2 * adapter / GIB
+        share = (gpu_gib - learner) / gpu_gib
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in rows.items())
+        print(f"  micro-batch {micro}: learner {learner:.1f} GiB ({parts}); against a full-weight replica it saves "
+              f"the reference's {e['reference']:.1f} GiB (the adapter off), {optimizer_saved:.1f} of gradients and "
+              f"AdamW, {buffer_saved:.1f} of buffer; vLLM's weights and adapter slot {vllm:.1f} GiB. Two 80 GB GPUs "
+              f"(vLLM on GPU 0, the learner on GPU 1): the learner fits with {gpu_gib - learner:.1f} GiB spare. One "
+              f"{gpu_gib:.0f} GiB GPU shared: --vllm_gpu_memory_utilization at most {share:.2f}, leaving vLLM "
+              f"{share * gpu_gib - vllm:.1f} GiB of KV cache (one 141 GB GPU, 131 GiB: at most "
+              f"{(131 - learner) / 131:.2f}, {(131 - learner) - vllm:.1f} GiB of KV cache)")
 
 
 def print_stream_estimate() -> None:
@@ -650,7 +695,7 @@ def inflight_reload(device: torch.device) -> str:
     groups = []
     try:
         assert fa.collect(generator, args)["kind"] == "ready"
-        fa.submit(generator, dict(kind="start", weight_slots=slots, prompts=prompts))
+        fa.submit(generator, dict(kind="start", weight_slots=slots, prompts=prompts, adapter_config=None))
         fa.submit(generator, dict(kind="go", first_group=0, version=0, slot=0, seed=args.seed, n=args.num_samples,
                                   temperature=args.temperature, max_tokens=args.response_length,
                                   max_staleness=args.max_staleness, groups_per_step=args.groups_per_step,
@@ -681,27 +726,38 @@ def inflight_reload(device: torch.device) -> str:
             f"{before['old'].median():.1e} to v0")
 
 
-def reload_between_rounds(device: torch.device) -> str:
+def reload_between_rounds(device: torch.device, lora_rank: int = 0) -> str:
     """(f) async_dpo.py's generator_main (the paper's scripts' reload, CUDA graphs on a GPU): a round with the SFT
     weights, then a round after version 1 (perturbed) was written to the buffer and reloaded. The second round's
-    log-probs must be the new weights' (a CUDA graph still reading the old weights would give the old ones')."""
+    log-probs must be the new weights' (a CUDA graph still reading the old weights would give the old ones').
+    With `lora_rank` (LoRA's hand-off): version 1 is an adapter (its B drawn large enough to move the log-probs by
+    nats), the buffer holds it alone, and the engine (enable_lora) samples round 2 with it as a LoRARequest."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     use_cuda, out = device.type == "cuda", tempfile.mkdtemp(prefix="gpu-check-")
     args = async_dpo.resolve_args(async_dpo.Args(model="tiny", **async_dpo.TINY_DEFAULTS, output_dir=out,
-                                                 vllm_gpu_memory_utilization=0.3))
+                                                 vllm_gpu_memory_utilization=0.3, lora_rank=lora_rank))
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
     queries = [json.loads(line)["query"] for line in open(os.path.join(args.dataset, "validation.jsonl"))]
     prompts = core.tokenize_prompts(tokenizer, queries[:32], args.max_prompt_length)
     old = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device).eval()
     new, table = perturbed(old), async_dpo.weight_table(old)
+    if lora_rank:  # (the policy with an adapter; `old`, its base, is the reference: the adapter off)
+        new = lora.add_adapter(AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32),
+                               args).to(device).eval()
+        with torch.no_grad():
+            for name, param in new.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 1.0, generator=torch.Generator(device).manual_seed(1))
+        table = async_dpo.weight_table(new)
     buffer = async_dpo.make_weight_buffer(table, torch.bfloat16 if use_cuda else torch.float32, device)
     engine = async_dpo.engine_kwargs(args, AutoConfig.from_pretrained(args.sft_model_path), use_cuda)
     generator = async_dpo.start_generator(engine, table, tokenizer.eos_token_id, None, args)
     rounds = []
     try:
         assert async_dpo.collect(generator, args)["kind"] == "ready"
-        async_dpo.submit(generator, dict(kind="weight_buffer", weight_buffer=buffer))
+        async_dpo.submit(generator, dict(kind="weight_buffer", weight_buffer=buffer,
+                                         adapter_config=lora.adapter_config(new)))
         for version in (0, 1):
             if version:
                 async_dpo.write_weight_snapshot(new, buffer, table)
@@ -718,7 +774,8 @@ def reload_between_rounds(device: torch.device) -> str:
     assert first["old"].median() < RELOAD_TOLERANCE[device.type], "the first round is not the SFT weights'"
     judge_reload("the round after the reload", second["new"], second["old"], device)
     return (f"round 1 median gap {first['old'].median():.1e} to v0; round 2 {second['new'].median():.1e} to v1, "
-            f"{second['old'].median():.2f} to v0")
+            f"{second['old'].median():.2f} to v0" + (f"; {buffer.numel() * buffer.element_size():,} bytes handed "
+                                                     "off" if lora_rank else ""))
 
 
 def seeded_sampling_main(use_cuda: bool, repeats: int, replies) -> None:
@@ -793,6 +850,7 @@ if __name__ == "__main__":
     checks = [  # the vLLM checks first: they were never run on a GPU, and a lent GPU's time may run out
         ("(f) in-flight reload, fully_async_grpo.py", inflight_reload, device),
         ("(f) reload between rounds, async_dpo.py", reload_between_rounds, device),
+        ("(f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8", reload_between_rounds, device, 8),
         ("(g) seeded sampling's cost", seeded_sampling, device, 10 if device.type == "cuda" else 3),
         ("(a) learner step and resume", learner_step, args, device),
         ("(d) precision parity at step 0", precision_parity, args, device),

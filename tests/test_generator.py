@@ -40,7 +40,8 @@ def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     generator.start()
     try:
         assert generator_io.get(results, generator)["kind"] == "ready"
-        generator_io.put(requests, dict(kind="weight_buffer", weight_buffer=buffer), generator)  # (by the queue)
+        generator_io.put(requests, dict(kind="weight_buffer", weight_buffer=buffer, adapter_config=None),
+                         generator)  # (by the queue)
 
         def generate(version: int) -> dict:
             generator_io.put(requests, dict(kind="eval", round=0, weights_version=version, prompts=prompts, n=1,
