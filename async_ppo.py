@@ -308,7 +308,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     # The value model starts as the reward model (as in the paper) and trains beside the policy; it
     # reads the policy's tokens, so a reward model that re-tokenises gives way to the SFT policy.
     # With LoRA it still trains every weight: it never goes to the generator, so an adapter would
-    # shrink no hand-off, only its memory (docs/algorithms.md, LoRA: the choice and its cost)
+    # shrink no hand-off, only its memory (docs/lora.md: the choice and its cost)
     value_start = args.sft_model_path if reward_models["proxy"].retokenize else args.reward_model_path
     value_model = AutoModelForSequenceClassification.from_pretrained(
         value_start, dtype=torch.float32, num_labels=1)

@@ -5,12 +5,12 @@ Table 1, the hand-off, per model: the bytes one version puts in the buffer (asyn
 trains), the learner's seconds to write them (write_weight_snapshot: the scripts' `time/weight_sync`), and the
 generator's seconds to take them into vLLM (the scripts' `time/weight_load`: reload_weights in place, or the adapter
 written to /dev/shm and added, plumbing.lora.load_adapter); medians of 5. Table 2, memory: the peak resident memory
-of a learner process (the policy, the reference and AdamW's state after one step on 8 prompts of 64 tokens) and of a
-generator process (vLLM's engine, with LoRA sized for one rank-r adapter, after loading 3 versions), each in a
-process of its own. The models: the tiny world's policy, and two real architectures written to a local folder with
-random weights (pythia-160m's, which vLLM serves through its Transformers backend like the tiny one, and
-Qwen2.5-0.5B's, a model vLLM implements itself, its q, k, v projections packed into one): bytes and seconds depend
-on the shapes, not the values. On a CPU in float32; a GPU's bfloat16 halves the bytes.
+of a learner process (the policy, the reference and AdamW's state after one step on 8 prompts of 64 tokens, the
+buffer) and of a generator process (vLLM's engine, with LoRA sized for one rank-r adapter, the buffer, after loading
+5 versions), each in a process of its own. The models: the tiny world's policy, and two real architectures written
+to a local folder with random weights (pythia-160m's, which vLLM serves through its Transformers backend like the
+tiny one, and Qwen2.5-0.5B's, a model vLLM implements itself, its q, k, v projections packed into one): bytes and
+seconds depend on the shapes, not the values. On a CPU in float32; a GPU's bfloat16 halves the bytes.
 
 Table 3, learning: the demo (async_dpo.py --model tiny, 60 steps) with LoRA at rank 8 against full fine-tuning at
 its own learning rate (1e-4). LoRA's learning rate is picked on seed 1 from a small sweep, then both are run on
@@ -174,15 +174,17 @@ def handoff_tables(models: dict, rank: int) -> None:
         print(f"  {name}: LoRA's hand-off is {adapter['bytes'] / full['bytes']:.2%} of the bytes; the learner's "
               f"write {full['snapshot'] / adapter['snapshot']:.1f}x faster, vLLM's load "
               f"{full['load'] / adapter['load']:.1f}x faster")
-    print("\nTable 2: peak resident memory of each side's process (MiB; the learner: policy, reference, AdamW)")
+    print("\nTable 2: peak resident memory of each side's process (MiB; the learner: policy, reference, AdamW after a "
+          "step, the buffer; the generator: vLLM's engine, the buffer, 5 loads)")
     print(f"{'model':<14} {'weights':<9} {'learner':>9} {'generator':>10}")
     for (name, r), row in rows.items():
         print(f"{name:<14} {'LoRA' if r else 'all':<9} {row['learner_mib']:>9.0f} {row['generator_mib']:>10.0f}")
     for name in models:
         full, adapter = rows[name, 0], rows[name, rank]
-        print(f"  {name}: LoRA saves the learner {full['learner_mib'] - adapter['learner_mib']:.0f} MiB "
-              f"(the reference copy and AdamW's state), and costs the generator "
-              f"{adapter['generator_mib'] - full['generator_mib']:+.0f} MiB")
+        print(f"  {name}: LoRA changes the learner's peak by {adapter['learner_mib'] - full['learner_mib']:+.0f} "
+              f"MiB (no reference copy, AdamW's state for the adapter alone, the adapter's buffer) and the "
+              f"generator's by {adapter['generator_mib'] - full['generator_mib']:+.0f} MiB (the buffer it maps is "
+              f"the adapter's, no full reload's copies; vLLM's adapter slot added)")
 
 
 def learning_table(folder: str, rank: int) -> None:
@@ -210,9 +212,6 @@ def learning_table(folder: str, rank: int) -> None:
     print(f"  LoRA rank {rank} (lr {best:g}):      {stats.fmt(gold['lora'])}   gain over SFT "
           f"{stats.gap(gold['lora'], sft)['text']}")
     print(f"  LoRA - full: {stats.gap(gold['lora'], gold['full'])['text']}")
-    seconds = {name: [r["seconds"] for r in runs] for name, runs in (("lora", lora_runs), ("full", full_runs))}
-    print(f"  seconds from the first step to the final evaluation: full {stats.fmt(seconds['full'], 1)}, "
-          f"LoRA {stats.fmt(seconds['lora'], 1)} (the runs one after another, on the same machine)")
 
 
 if __name__ == "__main__":

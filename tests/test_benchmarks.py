@@ -159,7 +159,9 @@ def test_gpu_check_runs_on_the_cpu():
     for check in ("(a) step 1", "(b) the generator's ready taken by every rank", "its error raised on every rank",
                   "reduce_sums over gloo: ok", "(c) version 5", "(e) --fsdp load over 2 ranks: every parameter "
                   "sharded", "(f) the round after the reload", "(g) training round (32 prompts x 2)", "lag/kl_token",
-                  "| (f) in-flight reload, fully_async_grpo.py | pass |", "gpu_check: 8 of 8 checks passed"):
+                  "| (f) in-flight reload, fully_async_grpo.py | pass |", "131,072 bytes handed off",
+                  "| (f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8 | pass |",
+                  "gpu_check: 9 of 9 checks passed"):
         assert check in result.stdout, result.stdout
 
 
@@ -175,6 +177,19 @@ def test_gpu_check_prints_the_memory_table():
     # way before), against sharded as they load
     assert "88.8 GiB if every model went whole to the GPU before sharding" in result.stdout
     assert "12.5 GiB sharded as they load" in result.stdout
+    # with LoRA the 8B learner fits one 80 GB GPU beside vLLM's: no reference copy, an adapter's optimizer
+    assert "Llama 3.1 8B with LoRA (rank 64 on every linear layer: 168 M parameters" in result.stdout
+    assert "micro-batch 2: learner 58.5 GiB" in result.stdout and "saves the reference's 29.9 GiB" in result.stdout
+
+
+def test_lora_benchmark_quick():
+    """benchmarks/lora.py --quick: the tiny world's hand-off with and without LoRA, each side's memory."""
+    result = run_script("--quick", script=os.path.join("benchmarks", "lora.py"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split()[2] for line in result.stdout.splitlines() if line.startswith("tiny world ")]
+    assert rows == ["all", "LoRA"] * 2, result.stdout  # tables 1 and 2
+    assert "tiny world: LoRA's hand-off is 5.96% of the bytes" in result.stdout
+    assert "2,199,552" in result.stdout and "131,072" in result.stdout
 
 
 def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
