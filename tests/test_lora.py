@@ -1,6 +1,7 @@
 """LoRA (--lora_rank): the reference is the base with the adapter off; the hand-off carries the adapter only and it
 reaches the sampler (checked against the learner's log-probs, and a fork that never hands it to the sampler is
 caught); every script trains with it; the adapter saves in PEFT's format (and merged) and resumes exactly."""
+import contextlib
 import math
 import os
 
@@ -150,3 +151,71 @@ def test_a_lora_run_stopped_and_resumed_is_the_run_that_never_stopped(tiny_dir, 
     assert result.returncode == 0 and "resumed at step" in result.stdout, result.stderr[-3000:]
     assert_same_run(straight, stopped, ("loss/dpo", "logps/chosen", "logps/rejected", "reward/mean",
                                         "logps/generator_gap"))
+
+
+SAMPLE_WITH_AN_ADAPTER = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+model, adapter = sys.argv[1:3]
+llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_memory_bytes=2**25,
+          enable_chunked_prefill=False, max_num_batched_tokens=4096, enable_lora=True, max_lora_rank=8, max_loras=1,
+          logprobs_mode="processed_logprobs", skip_tokenizer_init=True)
+sampling = SamplingParams(n=4, temperature=1.0, max_tokens=12, logprobs=0, seed=1, detokenize=False)
+rows = []
+for request in (LoRARequest("v1", 2, adapter), None):
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=[3, 14, 15, 92, 65])], sampling, lora_request=request)
+    rows.append([[list(c.token_ids), [p[t].logprob for t, p in zip(c.token_ids, c.logprobs)]]
+                 for c in outputs[0].outputs])
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_an_adapter_on_a_model_vllm_implements_itself(architecture, tmp_path):
+    """The tiny worlds' GPT-NeoX runs in vLLM through its Transformers backend; Qwen2 and Llama (the hub's usual
+    policies) run in vLLM's own model classes, which pack q, k, v (and gate, up) into one projection, while peft
+    trains them apart. A random small model of each, a PEFT adapter on every linear layer saved as the generator
+    writes it: vLLM's log-probs of what it samples with the adapter equal peft's (float32, within 1e-5), and without
+    it the base model's."""
+    import json
+    import subprocess
+    import sys
+
+    from peft import get_peft_model_state_dict
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(architecture, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+                                  max_position_embeddings=128, tie_word_embeddings=False)  # (head size 64: vLLM's CPU
+    # attention takes no smaller)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    base.save_pretrained(tmp_path / "base")
+    policy = lora.add_adapter(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                              async_dpo.Args(lora_rank=8)).eval()
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    assert len(get_peft_model_state_dict(policy)) == 2 * 2 * 7  # q, k, v, o, gate, up, down in 2 layers: A and B
+    policy.save_pretrained(tmp_path / "adapter")
+    result = subprocess.run([sys.executable, "-c", SAMPLE_WITH_AN_ADAPTER, str(tmp_path / "base"),
+                             str(tmp_path / "adapter")], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with_adapter, without = json.loads(result.stdout.strip().splitlines()[-1])
+    prompt = [3, 14, 15, 92, 65]
+    for rows, on in ((with_adapter, True), (without, False)):
+        for tokens, sampler in rows:
+            ids = torch.tensor([prompt + tokens])
+            with torch.no_grad(), contextlib.nullcontext() if on else policy.disable_adapter():
+                logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1]
+            learner = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+            assert (learner - torch.tensor(sampler)).abs().max() < 1e-5, (architecture, on)
+        if on:  # (the adapter moves the log-probs far beyond the tolerance)
+            with torch.no_grad(), policy.disable_adapter():
+                logits = policy(input_ids=torch.tensor([prompt + rows[0][0]])).logits[0, len(prompt) - 1: -1]
+            base_logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(rows[0][0])[:, None]).squeeze(1)
+            assert (base_logprobs - torch.tensor(rows[0][1])).abs().max() > 1e-2
