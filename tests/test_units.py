@@ -127,21 +127,29 @@ def test_a_checkpoint_without_a_trained_score_head_is_refused(tiny_dir, capsys):
     assert "--reward_model_path" in err and "score" in err
 
 
-def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir):
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_dir, lora_rank):
+    """Also with LoRA (the hub presets check-point by default): the frozen base's blocks are recomputed and the
+    adapter's gradients are the same (its B starts at 0, so its A's are 0: B's are compared)."""
+    from plumbing import lora
+
     tokenizer, prompts = _encode(tiny_dir, ["TITLE: my dog ate my homework\n\nTL;DR:"])
     inputs = collate(prompts * 2, [[5, 6, 7], [8, 9]], tokenizer.eos_token_id, CPU)
     gradients, forward_calls = [], []
     for checkpointing in (False, True):
         sft = AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"))
-        policy = core.train_without_dropout(sft, checkpointing)
+        torch.manual_seed(0)  # (the adapter's A)
+        policy = lora.add_adapter(core.train_without_dropout(sft, checkpointing), Args(lora_rank=lora_rank))
         assert policy.training
         calls = []
         # a pre-hook: the recomputation stops early, once it has what backward needs, so a post-hook may not fire
         policy.gpt_neox.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
         sequence_logprobs(policy, *inputs, 0.7)[0].sum().backward()
-        gradients.append([p.grad for p in policy.parameters()])
+        gradients.append([p.grad for p in policy.parameters() if p.requires_grad])
         forward_calls.append(len(calls))
     assert forward_calls == [1, 2]  # with checkpointing, the backward pass recomputes the block
+    assert gradients[1] and all(g is not None for g in gradients[1])
+    assert any(g.abs().sum() > 0 for g in gradients[1])
     for without, with_ in zip(*gradients):
         torch.testing.assert_close(without, with_, atol=1e-5, rtol=1e-4)
 
