@@ -51,9 +51,8 @@ TINY_DEFAULTS = dict(
 # sample). Any other difference from the checkpoint's run is refused, naming the flag.
 MAY_DIFFER_ON_RESUME = {
     "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "save_merged", "verbose",
-    "tiny_dir",
-    "vllm_gpu_memory_utilization", "generator_cores", "gradient_checkpointing", "save_every", "resume_from",
-    "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
+    "tiny_dir", "vllm_gpu_memory_utilization", "generator_cores", "gradient_checkpointing", "save_every",
+    "resume_from", "run_name", "rank", "lag_every", "eval_every", "num_eval_prompts", "num_final_eval_prompts",
     "eval_temperature", "eval_response_length"}
 
 
