@@ -65,13 +65,14 @@ def engine_kwargs(args, max_loras: int) -> dict:
 def load_adapter(llm, weights: list, version: int, config: dict):
     """Hand the engine version `version`'s adapter; returns the LoRARequest that names it. vLLM 0.32 loads an
     adapter from a folder only (LoRARequest has a path and no tensors; its from-tensors constructor is internal),
-    so the adapter is written in PEFT's format to RAM-backed /dev/shm (a few MB: no disk), added at once (read into
-    the engine's own memory) and the folder removed. Version v is adapter id v + 1 (vLLM: ids > 0, one per
+    so the adapter is written in PEFT's format to RAM-backed /dev/shm (a few MB: no disk; ram_folder), added at once
+    (read into the engine's own memory) and the folder removed. Version v is adapter id v + 1 (vLLM: ids > 0, one per
     adapter); the engine evicts the least recently used one beyond max_loras."""
     from safetensors.torch import save_file
     from vllm.lora.request import LoRARequest
 
-    folder = tempfile.mkdtemp(prefix=f"adapter-v{version}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    nbytes = sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
+    folder = tempfile.mkdtemp(prefix=f"adapter-v{version}-", dir=ram_folder(nbytes))
     try:  # PEFT's file names its tensors without the adapter's name (".default")
         save_file({name.replace(".default", ""): tensor.detach().to("cpu").contiguous() for name, tensor in weights},
                   os.path.join(folder, "adapter_model.safetensors"))
@@ -83,6 +84,15 @@ def load_adapter(llm, weights: list, version: int, config: dict):
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return request
+
+
+def ram_folder(nbytes: int) -> Optional[str]:
+    """/dev/shm where it holds the adapter twice over; else None, tempfile's default: the generator's TMPDIR, the
+    run's temporary folder on disk (a container's /dev/shm is 64 MB unless given more: an 8B adapter at rank 64 is
+    336 MB in bfloat16)."""
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes:
+        return "/dev/shm"
+    return None
 
 
 def save_merged(policy: torch.nn.Module, tokenizer, args) -> None:

@@ -219,3 +219,12 @@ def test_an_adapter_on_a_model_vllm_implements_itself(architecture, tmp_path):
                 logits = policy(input_ids=torch.tensor([prompt + rows[0][0]])).logits[0, len(prompt) - 1: -1]
             base_logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(rows[0][0])[:, None]).squeeze(1)
             assert (base_logprobs - torch.tensor(rows[0][1])).abs().max() > 1e-2
+
+
+def test_an_adapter_too_large_for_dev_shm_goes_to_the_runs_temporary_folder():
+    """A container's /dev/shm is 64 MB unless given more; an 8B adapter at rank 64 is 336 MB: the generator writes
+    an adapter that /dev/shm cannot hold twice over to tempfile's default folder (its TMPDIR: the run's own)."""
+    import shutil
+
+    free = shutil.disk_usage("/dev/shm").free
+    assert lora.ram_folder(1 << 20) == "/dev/shm" and lora.ram_folder(free) is None
