@@ -466,8 +466,6 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         tqdm.write(metrics.idle_regime(stream["learner_idle"], stream["generator_idle"], time.time() - training_start))
     if args.save_model:  # (LoRA: the adapter, in PEFT's format; --save_merged: merged too)
         core.save_policy(policy, tokenizer, args)
-        if args.save_merged:
-            lora.save_merged(policy, tokenizer, args)
 
 
 # --- The stream: taking groups, publishing versions ---------------------------------------------------------------

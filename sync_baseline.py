@@ -429,8 +429,6 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     metrics.print_regime(metrics_file)  # which side waited, and the paper's knob for it
     if args.save_model:  # (LoRA: the adapter, in PEFT's format; --save_merged: merged too)
         core.save_policy(policy, tokenizer, args)
-        if args.save_merged:
-            lora.save_merged(policy, tokenizer, args)
 
 
 # --- Tokens and log-probs -------------------------------------------------------------------------

@@ -60,21 +60,21 @@ def token_gaps(run_dir: str, mislabel: int = 0, chunk: int = 32) -> dict:
         outside = ~torch.isin(shifted, torch.tensor(known))  # (past the last version: the other neighbour)
         row["label"] = torch.where(outside, row["versions"] - mislabel, shifted) if mislabel else row["versions"]
         row["recomputed"] = torch.full_like(row["logprobs"], float("nan"))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).eval()
-    adapter = os.path.join(folder, "adapter_config.json")
-    if os.path.exists(adapter):  # (--lora_rank: each version is an adapter on the SFT weights)
+    if os.path.exists(os.path.join(folder, "adapter_config.json")):  # (--lora_rank: adapters on the SFT weights)
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig.from_pretrained(folder)
         base = AutoModelForCausalLM.from_pretrained(config.base_model_name_or_path, dtype=torch.float32)
         model = get_peft_model(base, config).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).eval()
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}  # (LoRA: the base)
     run = core.Run(torch.device("cpu"), torch.autocast("cpu", enabled=False), 0, 0)
     for version in known:
         mine = [row for row in rows if (row["label"] == version).any()]
         if not mine:
             continue
         missing, unexpected = model.load_state_dict(torch.load(os.path.join(folder, f"{version}.pt")), strict=False)
-        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}  # (LoRA: the base)
         assert not unexpected and all("rotary" in name or "bias" in name or name in frozen for name in missing), (
             missing, unexpected)
         for start in range(0, len(mine), chunk):

@@ -226,15 +226,27 @@ def shard_or_replicate(trained: torch.nn.Module, args, device: torch.device) -> 
 
 
 def save_policy(policy: torch.nn.Module, tokenizer, args) -> None:
-    """--save_model: save_pretrained to {output_dir}/model (FSDP2: every rank gathers, 0 writes)."""
+    """--save_model: save_pretrained to {output_dir}/model (FSDP2: every rank gathers, 0 writes). With LoRA that is
+    the adapter in PEFT's format, and --save_merged adds the adapter merged into the SFT weights, a plain checkpoint,
+    in {output_dir}/model_merged (read back from the two folders: any sharding)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full_state = get_model_state_dict(policy, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True)) if args.fsdp else None  # (FSDP2: a collective)
-    if args.rank == 0:
-        policy.save_pretrained(os.path.join(args.output_dir, "model"), state_dict=full_state)
-        tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
-        print(f"saved the policy to {os.path.join(args.output_dir, 'model')}")
+    if args.rank != 0:
+        return
+    folder = os.path.join(args.output_dir, "model")
+    policy.save_pretrained(folder, state_dict=full_state)
+    tokenizer.save_pretrained(folder)
+    print(f"saved the policy to {folder}")
+    if args.save_merged:
+        from peft import PeftModel
+
+        base = type(policy.get_base_model()).from_pretrained(args.sft_model_path, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, folder).merge_and_unload()
+        merged.save_pretrained(folder + "_merged")
+        tokenizer.save_pretrained(folder + "_merged")
+        print(f"saved the merged policy to {folder}_merged")
 
 
 # --- Devices and learner processes (torchrun) -----------------------------------------------------

@@ -2,8 +2,8 @@
 vLLM's LoRA support in the generator. What each script keeps of it (the lesson): the reference is the base with
 the adapter off, the hand-off's buffer holds the adapter's tensors only, and the generator samples each request
 with the newest loaded version's adapter. What is here: the flags checked, the adapter added, the reference's
-wrapper, the engine's LoRA settings, an adapter written where vLLM reads it, and the merged model saved
-(core.check_flags checks the flags)."""
+wrapper, the engine's LoRA settings, and an adapter written where vLLM reads it (core.check_flags checks the
+flags, core.save_policy saves the adapter and, with --save_merged, the merged model)."""
 import json
 import os
 import shutil
@@ -94,17 +94,3 @@ def ram_folder(nbytes: int) -> Optional[str]:
         return "/dev/shm"
     return None
 
-
-def save_merged(policy: torch.nn.Module, tokenizer, args) -> None:
-    """--save_merged: the adapter merged into a copy of the base, a plain checkpoint, to {output_dir}/model_merged
-    (after core.save_policy wrote the adapter; one rank; unsharded policies only)."""
-    from peft import PeftModel
-
-    if args.rank != 0:
-        return
-    folder = os.path.join(args.output_dir, "model_merged")
-    merged = PeftModel.from_pretrained(type(policy.get_base_model()).from_pretrained(
-        args.sft_model_path, dtype=torch.float32), os.path.join(args.output_dir, "model")).merge_and_unload()
-    merged.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    print(f"saved the merged policy to {folder}")
