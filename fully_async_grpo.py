@@ -190,7 +190,12 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.9
     """fraction of GPU 0's memory vLLM may use (lower it when the learner shares that GPU)"""
     generator_cores: int = 1
-    """CPU runs only: cores reserved for the generator; the learner gets the rest"""
+    """CPU runs only: cores reserved for each engine; the learner gets the rest"""
+    num_generators: int = 1
+    """G: vLLM engines on each generator node, a process each (GPU: the node's first G GPUs, its learners on the
+    rest; CPU: --generator_cores cores each), one stream under one admission bound (docs/fully_async.md)"""
+    generator_nodes: int = 1
+    """the first this many nodes of the torchrun job host G engines each (node 0 always); the others only learn"""
     fsdp: bool = False
     """under torchrun, shard the policy over the learners with FSDP2 (default: DDP)"""
 
@@ -220,6 +225,8 @@ class Args:
     """forward passes per optimizer step (a mini-batch) on one learner process"""
     num_steps: int = 0
     """optimizer steps in total"""
+    num_engines: int = 0
+    """vLLM engines in all: G x --generator_nodes (engine e runs on node e // G)"""
     world_hash: str = ""
     """the tiny world's hash (SHA-256 of its SHA256SUMS), printed at the start and logged; empty for hub models"""
 
@@ -271,6 +278,7 @@ def resolve_args(args: Args) -> Args:
     args.gradient_accumulation_steps = mini_batch // args.per_device_train_batch_size
     args.is_correction = args.is_correction or ("tis" if args.proximal == "recompute" else "none")
     args.num_steps = args.total_episodes // args.batch_size
+    check_engines_fit(args)
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if args.gradient_checkpointing is None:  # the toy models need none
         args.gradient_checkpointing = args.model != "tiny"
@@ -293,17 +301,40 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
+def check_engines_fit(args: Args) -> None:
+    """--num_generators and --generator_nodes against the job (torchrun's nodes), the stream's room and, on GPU,
+    the node's GPUs (G engines and the node's learners, one GPU each; only one engine may share GPU 0)."""
+    nodes, learners = int(os.getenv("GROUP_WORLD_SIZE", "1")), int(os.getenv("LOCAL_WORLD_SIZE", "1"))
+    args.num_engines = args.num_generators * args.generator_nodes
+    gpus = torch.cuda.device_count()
+    for bad, message in [
+        (args.num_generators < 1, f"--num_generators must be at least 1, got {args.num_generators}"),
+        (not 1 <= args.generator_nodes <= nodes, f"--generator_nodes {args.generator_nodes}: the job has {nodes} "
+         "node(s) (torchrun --nnodes), and node 0 hosts engines"),
+        (args.num_engines > args.max_in_flight, f"--num_generators {args.num_generators}: {args.num_engines} "
+         f"engines, but the stream holds at most --max_in_flight {args.max_in_flight} groups: an engine would never "
+         "sample (fewer engines, or a larger --max_in_flight or --batch_size)"),
+        (gpus and args.num_generators > 1 and args.num_generators + learners > gpus,
+         f"--num_generators {args.num_generators}: a generator node has {gpus} GPUs, too few for "
+         f"{args.num_generators} engines and {learners} learners (torchrun --nproc_per_node), one GPU each"),
+    ]:
+        if bad:
+            core.fail(message)
+
+
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     core.check_model_paths(args, "sft_model_path")
     train_data, test_data = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"),
                                                     ("train", "test"), args.dataset_config)
-    # Placement: vLLM owns GPU 0 of the first node; learner i takes GPU i + 1 there (GPU i on other
-    # nodes), or, on one node with no GPU spare per learner, GPU i: rank 0 then sits beside vLLM.
-    # On a CPU the generator gets the last --generator_cores cores and the learner the others.
-    shares_gpu0 = core.shares_gpu0()  # (every rank answers the same)
+    # Placement: on each of the first --generator_nodes nodes, G vLLM engines own GPUs 0 .. G - 1 and the node's
+    # learner i takes GPU G + i (GPU i on the other nodes), or, one engine on one node with no GPU spare per
+    # learner, GPU i: rank 0 then sits beside vLLM. On a CPU the engines get the last G x --generator_cores cores
+    # and the learner the others. A node's learner 0 (its leader) starts and talks to the node's engines
+    shares_gpu0 = core.shares_gpu0() and args.num_generators == 1  # (every rank answers the same)
     local_rank, node = int(os.getenv("LOCAL_RANK", "0")), int(os.getenv("GROUP_RANK", "0"))
-    gpu = local_rank if shares_gpu0 or node > 0 else local_rank + 1
-    device, generator_cores = core.learner_device(args.world_size, gpu, args.generator_cores)
+    hosts_engines = local_rank == 0 and node < args.generator_nodes
+    gpu = local_rank if shares_gpu0 or node >= args.generator_nodes else local_rank + args.num_generators
+    device, generator_cores = core.learner_device(args.world_size, gpu, args.num_generators * args.generator_cores)
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     metrics_file = launch.start_run(args, cleanup, MAY_DIFFER_ON_RESUME)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
@@ -315,13 +346,13 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     config = AutoConfig.from_pretrained(args.sft_model_path)
     with torch.device("meta"):  # the buffer's layout needs the config only, no weights
         weight_layout = weight_table(lora.add_adapter(AutoModelForCausalLM.from_config(config), args))
-    generator = generator_io.Generator()  # (the other ranks get its messages from rank 0)
-    if args.rank == 0:
-        generator = start_generator(engine_kwargs(args, config, use_cuda), weight_layout, run.eos_id,
-                                    None if use_cuda else generator_cores, args)
-        cleanup.callback(generator.stop)
+    engines = []  # this node's engines, held by its leader (the other ranks get their messages from it)
+    if hosts_engines:
+        engines = start_engines(engine_kwargs(args, config, use_cuda), weight_layout, run.eos_id,
+                                None if use_cuda else generator_cores, node, args)
+        cleanup.callback(stop_engines, engines)
     if shares_gpu0:
-        collect(generator, args)  # "ready": vLLM has taken its share of GPU 0
+        collect(engines, args)  # "ready": vLLM has taken its share of GPU 0 (one engine)
 
     # The policy trains in float32 (under autocast on GPU), loaded on the CPU and moved to the learner
     # (--fsdp: sharded there block by block). No reference model: no KL penalty, as in DAPO and Dr. GRPO
@@ -341,13 +372,19 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     passes = -(-most_groups // len(train_prompts))
     prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])[:most_groups]
     eval_set = evaluation_set(test_data, tokenizer, args)
-    weight_slots = None  # ASYNC: k + 1 slots: the learner never overwrites a version the generator may be loading
-    if args.rank == 0:
-        weight_slots = make_weight_slots(weight_layout, len_slots(args), dtype, device)
-        submit(generator, dict(kind="start", weight_slots=weight_slots, adapter_config=lora.adapter_config(policy),
-                               prompts=[train_prompts[i] for i in prompt_order]))  # (LoRA: its settings)
-    if not shares_gpu0:
-        collect(generator, args)  # "ready": vLLM was built while we loaded our model
+    # ASYNC: the admission record, one for all engines (compare-and-set on torchrun's store, or one rank 0 hosts):
+    # the next group's index, the versions the running groups were admitted under, the groups taken, each
+    # engine's loaded version. And k + 1 weight slots on each generator node (rank 0's, copied to the others'
+    # over torch.distributed): the learner never overwrites a version an engine may still be loading
+    admission_record, record_address = open_record(args)
+    leaders = leaders_group(hosts_engines, args)  # (None: one generator node)
+    weight_slots = make_weight_slots(weight_layout, len_slots(args), dtype, device) if hosts_engines else None
+    for engine in engines:
+        submit([engine], dict(kind="start", weight_slots=weight_slots, adapter_config=lora.adapter_config(policy),
+                              prompts=[train_prompts[i] for i in prompt_order],  # (LoRA: its settings)
+                              engine=engine.engine, record=record_address))
+    for _ in range(0 if shares_gpu0 else args.num_engines):
+        collect(engines, args)  # "ready": the engines were built while we loaded our model
 
     # The loop's state, fresh or (--resume_from) where a checkpoint left it: the groups the learner has taken (a
     # resumed generator admits from there), the policy's version (optimizer steps taken; 0: the SFT weights,
@@ -370,18 +407,21 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         if args.rank == 0 and args.lora_rank:  # (LoRA: the versions are adapters on the SFT weights)
             with open(os.path.join(args.output_dir, "versions", "adapter_config.json"), "w") as f:
                 json.dump(lora.adapter_config(policy), f)
-    stream = dict(early=[], taken=next_group, accepted=0, discarded=0, learner_idle=0.0, published_at={},
-                  generator_idle=0.0)  # (taken: groups the learner has taken from the stream, the next one's index)
+    if leaders is not None:  # (the other generator nodes' slots: resumed, or version 0 recorded, as rank 0's)
+        torch.distributed.broadcast(weight_slots, src=0, group=leaders)
+    stream = dict(arrived={}, next_place=0, taken=next_group, accepted=0, discarded=0, learner_idle=0.0,
+                  published_at={}, engines={})  # (taken: groups the learner has taken, the next one's index)
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
     def evaluate_now(final: bool = False, whole: bool = False) -> None:  # ASYNC: awaited, groups arriving
         # meanwhile kept for the step; whole: every test prompt, as the final evaluation's (final: and saved)
-        submit(generator, dict(kind="eval", final=final, prompts=eval_set["prompts"] if final or whole else
-                               eval_set["prompts"][: eval_set["num_prompts"]], max_tokens=args.eval_response_length,
-                               temperature=args.eval_temperature, seed=core.sampling_seed(args.seed, "eval", version)))
-        while (message := collect(generator, args))["kind"] != "eval":
-            stream["early"].append(message)
+        submit(engines[:1] if args.rank == 0 else [], dict(  # (engine 0 evaluates; the others stream on)
+            kind="eval", final=final, prompts=eval_set["prompts"] if final or whole else
+            eval_set["prompts"][: eval_set["num_prompts"]], max_tokens=args.eval_response_length,
+            temperature=args.eval_temperature, seed=core.sampling_seed(args.seed, "eval", version)))
+        while (message := collect(engines, args))["kind"] != "eval":
+            arrive(message, stream)
         score_evaluation(message, training_start, eval_set, tokenizer, args, run, metrics_file)
 
     training_start = None
@@ -392,7 +432,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                    f"{args.max_staleness} versions stale ({args.stale_policy}), {args.proximal} proximal policy, "
                    f"{args.advantage} advantages")
     training_start = stream["start"] = time.time()
-    submit(generator, dict(kind="go", first_group=next_group, version=published, slot=published % len_slots(args),
+    open_admission(admission_record, next_group, args)
+    submit(engines, dict(kind="go", first_group=next_group, version=published, slot=published % len_slots(args),
                            seed=args.seed, n=args.num_samples, temperature=args.temperature,
                            max_tokens=args.response_length, max_staleness=args.max_staleness,
                            groups_per_step=args.groups_per_step, stale_policy=args.stale_policy,
@@ -402,10 +443,12 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # 1. ASYNC: take B groups from the stream, each as it finished: (drop) a group more than k versions older
         # than the learner is discarded; (pace) none can be; (head) it is kept
         step_start = time.time()
-        batch, discarded = take_groups(generator, stream, version, args)
+        batch, discarded = take_groups(engines, stream, version, args)
         took = time.time() - step_start
-        if args.record_rollouts:
-            record_groups(batch, [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in batch], args)
+        if args.record_rollouts:  # (and the discarded groups, marked: every group taken is accounted for)
+            for groups, trained in ((batch, True), (discarded, False)):
+                prompts = [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in groups]
+                record_groups(groups, prompts, trained, args)
 
         # 2. ALGO: grade this rank's completions; each one's advantage is relative to its group's
         train_start = time.time()
@@ -428,22 +471,28 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         version += 1
 
         # 5. ASYNC: publish the new version in slot version mod (k + 1), and how many groups were taken (the
-        # stream's room). The slot held version - k - 1, which the generator has left behind: the learner has
-        # taken version x B groups, and the bound admitted group version x B - 1 only with a version >= version
-        # - 1 - k loaded (drop: this step's groups came from such versions), and it never loads back. It loads
-        # the new version once nothing is mid-generation (in flight: at its next engine step)
+        # stream's room, in the record). The slot held version - k - 1: first wait until every engine has loaded
+        # that version or a newer one (they load the newest and never back; publish is not adopt, and an engine
+        # still draining a long group may lag; under `pace` the bound already holds the learner back). The other
+        # generator nodes get the slot over torch.distributed. Each engine loads the new version once nothing is
+        # mid-generation in it (in flight: at its next engine step)
         sync_start, slot = time.time(), version % len_slots(args)
-        write_weight_snapshot(policy, None if weight_slots is None else weight_slots[slot], weight_layout)
-        submit(generator, dict(kind="weights", version=version, slot=slot, taken=stream["taken"]))
+        adoption_wait = wait_for_adoption(admission_record, engines, version - len_slots(args), args)
+        write_weight_snapshot(policy, weight_slots[slot] if args.rank == 0 else None, weight_layout)
+        if leaders is not None:
+            torch.distributed.broadcast(weight_slots[slot], src=0, group=leaders)
+        if args.rank == 0:
+            admission_record.set("taken", str(stream["taken"]))
+        submit(engines, dict(kind="weights", version=version, slot=slot))
         stream["published_at"][version] = time.time()
         if args.record_rollouts:
             record_version(weight_slots, weight_layout, version, args)
 
         # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
         record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
-                      **stream_stats(batch, discarded, stream, generator, args))
+                      **stream_stats(batch, len(discarded), stream, engines, args))
         record.update({"time/training": sync_start - train_start, "time/proximal": proximal_seconds,
-                       "time/weight_sync": time.time() - sync_start,
+                       "time/weight_sync": time.time() - sync_start, "time/adoption_wait": adoption_wait,
                        "time/learner_wait": took, "time/elapsed": time.time() - training_start})
         metrics.log(record, metrics_file, args.track)
         progress.update(1)
@@ -463,30 +512,37 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     evaluate_now(final=True)  # the whole test split, with the last weights
     progress.close()
     if args.rank == 0:
-        tqdm.write(metrics.idle_regime(stream["learner_idle"], stream["generator_idle"], time.time() - training_start))
+        generator_idle = sum(e["idle"] for e in stream["engines"].values()) / args.num_engines  # (each's share, mean)
+        tqdm.write(metrics.idle_regime(stream["learner_idle"], generator_idle, time.time() - training_start))
     if args.save_model:  # (LoRA: the adapter, in PEFT's format; --save_merged: merged too)
         core.save_policy(policy, tokenizer, args)
 
 
 # --- The stream: taking groups, publishing versions ---------------------------------------------------------------
-def take_groups(generator: generator_io.Generator, stream: dict, version: int, args: Args) -> tuple[list, int]:
-    """B groups for the step at `version`, in the order they finished (groups that arrived during an evaluation
-    first). Under `drop` a group whose sampler is more than k versions behind is discarded, and counted; under `pace`
-    the generator never samples one (a violation is an error: the bound is the invariant); `head` bounds admission
-    only, and keeps every group. Also counts the learner's wait and the generator's idle time (its clock, as its
-    last message reported it)."""
-    batch, discarded, wait_start = [], 0, time.time()
+def take_groups(engines: list, stream: dict, version: int, args: Args) -> tuple[list, list]:
+    """B groups for the step at `version`, in the order they finished (the record's order: a group from another
+    engine or node may arrive before one that finished earlier, and waits for it). Under `drop` a group whose
+    sampler is more than k versions behind is discarded (and returned, to be counted); under `pace` no engine
+    samples one (a violation is an error: the bound is the invariant); `head` bounds admission only, and keeps
+    every group. Also counts the learner's wait and each engine's groups, idle time (its clock, as its last
+    message reported it) and version."""
+    batch, discarded, wait_start = [], [], time.time()
     while len(batch) < args.groups_per_step:
-        group = stream["early"].pop(0) if stream["early"] else collect(generator, args)
+        while stream["next_place"] not in stream["arrived"]:  # (a group from another engine may arrive first)
+            arrive(collect(engines, args), stream)
+        group = stream["arrived"].pop(stream["next_place"])
+        stream["next_place"] += 1
         stream["taken"] += 1
-        if group["kind"] != "group":
-            raise RuntimeError(f"expected a group from the generator, got {group['kind']}")
+        engine = stream["engines"].setdefault(group["engine"], dict(groups=0, idle=0.0, loaded=0, lags=[]))
+        engine.update(groups=engine["groups"] + 1, idle=group["idle_seconds"], loaded=group["loaded"])
+        engine["lags"] += [end - stream["published_at"][v] for v, _, end in group["loads"]
+                           if v in stream["published_at"]]
         staleness = version - group["version"]
         if staleness > args.max_staleness and args.stale_policy != "head":
             if args.stale_policy == "pace":
                 raise RuntimeError(f"a group {staleness} versions stale under --stale_policy pace (k = "
                                    f"{args.max_staleness}): the admission bound failed")
-            discarded += 1
+            discarded.append(group)
             continue
         group["staleness"], group["taken_at"] = staleness, time.time()
         group["token_staleness"] = [version - v for spans in group["spans"] for v, start, end in spans
@@ -494,9 +550,15 @@ def take_groups(generator: generator_io.Generator, stream: dict, version: int, a
         batch.append(group)
     stream["learner_idle"] += time.time() - wait_start
     stream["accepted"] += len(batch)
-    stream["discarded"] += discarded
-    stream["generator_idle"] = batch[-1]["idle_seconds"]
+    stream["discarded"] += len(discarded)
     return batch, discarded
+
+
+def arrive(message: dict, stream: dict) -> None:
+    """A group from the stream, kept by its place in the finishing order (the record's: the order the bound counts)."""
+    if message["kind"] != "group":
+        raise RuntimeError(f"expected a group from the generator, got {message['kind']}")
+    stream["arrived"][message["place"]] = message
 
 
 def len_slots(args: Args) -> int:
@@ -504,13 +566,14 @@ def len_slots(args: Args) -> int:
     return args.max_staleness + 1
 
 
-def stream_stats(batch: list, discarded: int, stream: dict, generator: generator_io.Generator, args: Args) -> dict:
+def stream_stats(batch: list, discarded: int, stream: dict, engines: list, args: Args) -> dict:
     """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
     (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
     (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
     published versions (how long after publishing, and under `recompute` in flight the engine step after the load,
     which re-reads the preempted sequences), each side's idle fraction since training began, and the versions a
-    completion spans (more than one only with --inflight_updates) and each token's staleness."""
+    completion spans (more than one only with --inflight_updates) and each token's staleness; and per engine, its
+    loaded version, its publish-to-load time, its groups and its idle share (`engine{e}/...`)."""
     staleness = [g["staleness"] for g in batch]
     spans = [completion for g in batch for completion in g["spans"]]
     token_staleness = [s for g in batch for s in g["token_staleness"]]
@@ -520,7 +583,14 @@ def stream_stats(batch: list, discarded: int, stream: dict, generator: generator
     reprefills = [seconds for g in batch for seconds in g["reprefills"]]
     lags = [end - stream["published_at"][v] for v, _, end in loads if v in stream["published_at"]]
     elapsed = max(time.time() - stream["start"], 1e-9)
-    waiting = len(stream["early"]) + (generator.results.qsize() if generator.results is not None else 0)
+    waiting = len(stream["arrived"]) + (engines[0].results.qsize() if engines else 0)  # (this node's)
+    per_engine = {}
+    for e, engine in sorted(stream["engines"].items()):
+        per_engine.update({f"engine{e}/version": engine["loaded"], f"engine{e}/groups": engine["groups"],
+                           f"engine{e}/idle_fraction": engine["idle"] / elapsed})
+        if engine["lags"]:  # (its loads reported since the last step)
+            per_engine[f"engine{e}/publish_to_load_seconds"] = sum(engine["lags"]) / len(engine["lags"])
+        engine["lags"] = []
 
     def quantile(values: list, q: float) -> float:
         return float(values[min(int(q * len(values)), len(values) - 1)])
@@ -543,19 +613,21 @@ def stream_stats(batch: list, discarded: int, stream: dict, generator: generator
             "inflight/versions_per_completion": sum(map(len, spans)) / len(spans),
             "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
             "idle/learner_fraction": stream["learner_idle"] / elapsed,
-            "idle/generator_fraction": stream["generator_idle"] / elapsed}
+            "idle/generator_fraction": sum(e["idle"] for e in stream["engines"].values()) / elapsed / args.num_engines,
+            **per_engine}
 
 
 # --- Auditing a run (--record_rollouts): what the learner trained on, and every version that sampled it --------
-def record_groups(batch: list, prompts: list, args: Args) -> None:
+def record_groups(batch: list, prompts: list, trained: bool, args: Args) -> None:
     """The step's groups, a line each in {output_dir}/rollouts.jsonl: the prompt's and completions' tokens, the
-    sampler's per-token log-probs, each completion's (version, first token, end) spans, the sampling temperature."""
+    sampler's per-token log-probs, each completion's (version, first token, end) spans, the sampling temperature,
+    the engine, and whether the learner trained on it (false: discarded, too stale)."""
     if args.rank == 0:
         with open(os.path.join(args.output_dir, "rollouts.jsonl"), "a") as f:
             for group, prompt in zip(batch, prompts):
                 f.write(json.dumps(dict(index=group["index"], prompt=prompt, responses=group["responses"],
-                                        logprobs=group["logprobs"], spans=group["spans"],
-                                        temperature=args.temperature)) + "\n")
+                                        logprobs=group["logprobs"], spans=group["spans"], engine=group["engine"],
+                                        trained=trained, temperature=args.temperature)) + "\n")
 
 
 def record_version(weight_slots: Optional[torch.Tensor], table: list, version: int, args: Args) -> None:
@@ -838,12 +910,12 @@ class Stream:
     slots: torch.Tensor  # the k + 1 weight slots the learner writes
     prompts: list  # every group's prompt, in the order groups take them
     adapter_config: Optional[dict]  # LoRA's settings (None: full fine-tuning)
+    engine: int  # this engine's number, e (its groups and its loaded version carry it)
+    record: object  # the admission record every engine shares (a torch.distributed store)
     adapter: object = None  # LoRA: the loaded version's adapter, a LoRARequest (None: the base, version 0's exactly)
     go: Optional[dict] = None  # the learner's "go": the stream's settings (None: before training)
     loaded: int = 0  # the version in the engine (0: the SFT weights)
     newest: Optional[tuple] = None  # (version, slot) of the newest version published
-    taken: int = 0  # groups the learner has taken (it says so with each version)
-    next_group: int = 0  # the next group to admit
     running: dict = field(default_factory=dict)  # request id -> (group, version admitted under, admitted at)
     eval_request: Optional[dict] = None  # an evaluation waiting for the engine to drain
     loads: list = field(default_factory=list)  # (version, start, end) since the last group sent
@@ -855,10 +927,11 @@ class Stream:
 
 def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, requests, results,
                    cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
-    """The streaming loop, between two engine steps: take the learner's messages (a version, an evaluation, stop);
-    load the newest version (drained, or --inflight_updates: at once); evaluate once drained; admit groups while the
-    bound allows; one engine step, sending each group the moment its K completions have all ended, every token
-    labelled with the version that sampled it."""
+    """The streaming loop of one engine, between two engine steps: take the learner's messages (a version, an
+    evaluation, stop); load the newest version (drained, or --inflight_updates: at once); evaluate once drained;
+    admit groups while the bound, shared by all engines, allows; one engine step, sending each group the moment its
+    K completions have all ended, every token labelled with the version that sampled it."""
+    stream = None
     try:
         generator_io.become_generator(cores, run_tmp_dir, log_path)  # own cores, log file, no Ctrl-C
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, stepped by hand
@@ -866,8 +939,10 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
 
         llm = LLM(**engine_kwargs)
         results.put(dict(kind="ready"))
-        start = requests.get()  # the weight slots and the prompts, in the order groups take them
-        stream = Stream(start["weight_slots"], start["prompts"], start["adapter_config"])
+        start = requests.get()  # the weight slots, the prompts in the order groups take them, the record
+        stream = Stream(start["weight_slots"], start["prompts"], start["adapter_config"], start["engine"],
+                        connect_record(*start["record"]))
+        stream.record.set(f"loaded/{stream.engine}", "0")  # (the SFT weights)
         llm.llm_engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
         while take_messages(requests, stream):  # (False: the learner said stop)
             load_newest(llm, stream, weight_layout)
@@ -879,6 +954,9 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                 step_and_send(llm.llm_engine, stream, results)
     except BaseException:
         results.put(dict(kind="error", traceback=traceback.format_exc()))
+        if stream is not None:  # (the learners on other nodes see it there, at once)
+            with contextlib.suppress(Exception):
+                stream.record.set("error", f"engine {stream.engine} failed: {traceback.format_exc()[-2000:]}")
         raise SystemExit(1)
 
 
@@ -890,21 +968,21 @@ def take_messages(requests, stream: Stream) -> bool:
         mark_idle(stream, True)
     while True:
         try:
-            message = requests.get(timeout=1.0) if block else requests.get_nowait()
+            message = requests.get(timeout=0.05) if block else requests.get_nowait()
         except queue.Empty:
-            if block:
+            if block and not admissible(stream):  # (another engine's group ending may free the bound: polled)
                 continue
             return True
         block = False
         if message is None:
             return False
         if message["kind"] == "go":  # training begins (the generator's idle clock too)
-            stream.go, stream.next_group, stream.taken = message, message["first_group"], message["first_group"]
+            stream.go = message
             mark_idle(stream, True)
             if message["version"] > stream.loaded:  # (resumed: the checkpoint's weights, in their slot)
                 stream.newest = (message["version"], message["slot"])
         elif message["kind"] == "weights":
-            stream.newest, stream.taken = (message["version"], message["slot"]), message["taken"]
+            stream.newest = (message["version"], message["slot"])
         elif message["kind"] == "eval":
             stream.eval_request = message
         else:
@@ -929,6 +1007,7 @@ def load_newest(llm, stream: Stream, weight_layout: list) -> None:
     if torch.cuda.is_available():  # done reading before the learner may rewrite the slot
         torch.cuda.synchronize()
     stream.loaded = version
+    stream.record.set(f"loaded/{stream.engine}", str(version))  # (the learner rewrites no slot an engine may read)
     llm.llm_engine.set_weight_version(str(version))  # (the tokens of the next steps are the new version's)
     # The cached prefixes hold the old weights' KV: emptied. `recompute`: the running sequences are preempted too,
     # and re-read prompt and tokens so far under the new weights at the next step (timed: the load's hidden cost).
@@ -949,10 +1028,63 @@ def evaluate_drained(llm, stream: Stream, stop_id: int) -> dict:
 
 
 def admissible(stream: Stream) -> bool:
-    """Whether the bound admits the next group now (can_admit, with the oldest running group's version)."""
-    oldest = min([stream.loaded, *(version for _, version, _ in stream.running.values())])
-    return stream.go is not None and can_admit(stream.go, stream.next_group, stream.next_group - stream.taken,
-                                               stream.loaded, oldest, load_due(stream))
+    """Whether the bound admits the next group now, as the shared record stands."""
+    return stream.go is not None and bound_allows(stream, *read_record(stream.record)[1:])
+
+
+def bound_allows(stream: Stream, state: dict, taken: int) -> bool:
+    """can_admit, for this engine, with the next group's index, the groups in the stream and the oldest version any
+    engine's running group was admitted under (this engine's loaded one if older), from the record."""
+    oldest = min([stream.loaded, *map(int, state["running"])])
+    return can_admit(stream.go, state["next"], state["next"] - taken, stream.loaded, oldest, load_due(stream))
+
+
+def claim_group(stream: Stream) -> Optional[int]:
+    """ASYNC: the global admission. If the bound allows, take the next group's index and count it running under
+    this engine's version, in one compare-and-set of the record (a race with another engine: read it again and
+    retry); None if the bound does not allow. The check, the index and the running count are one atomic step, so
+    no engine admits against a record another has changed (docs/fully_async.md: why this keeps `pace`'s bound)."""
+    while True:
+        raw, state, taken = read_record(stream.record)
+        if not bound_allows(stream, state, taken):
+            return None
+        group, version = state["next"], str(stream.loaded)
+        state.update(next=group + 1, by=f"{stream.engine}+{group}")  # (by: each write's content is unique)
+        state["running"][version] = state["running"].get(version, 0) + 1
+        if write_record(stream.record, raw, state):
+            return group
+
+
+def release_group(stream: Stream, group: int, version: int) -> int:
+    """ASYNC: a finished group leaves the record's running count and gets its place in the finishing order (the
+    same compare-and-set), which the learner takes groups in, whichever engine or node they come from."""
+    while True:
+        raw, state, _ = read_record(stream.record)
+        state["running"][str(version)] -= 1
+        if not state["running"][str(version)]:
+            del state["running"][str(version)]
+        place = state["finished"]
+        state.update(finished=place + 1, by=f"{stream.engine}-{group}")
+        if write_record(stream.record, raw, state):
+            return place
+
+
+def read_record(record) -> tuple[bytes, dict, int]:
+    raw, taken = record.multi_get(["admission", "taken"])
+    return raw, json.loads(raw), int(taken)
+
+
+def write_record(record, raw: bytes, state: dict) -> bool:
+    desired = json.dumps(state).encode()
+    return record.compare_set("admission", raw, desired) == desired
+
+
+def connect_record(host: str, port: int, prefix: str):
+    """The admission record: a key-value store of torch.distributed's (TCPStore), under the run's prefix."""
+    import datetime
+
+    store = torch.distributed.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    return torch.distributed.PrefixStore(prefix, store)
 
 
 def admit_groups(engine, stream: Stream, stop_id: int) -> None:
@@ -963,15 +1095,13 @@ def admit_groups(engine, stream: Stream, stop_id: int) -> None:
     from vllm.sampling_params import RequestOutputKind
 
     go = stream.go
-    while stream.eval_request is None and admissible(stream):
-        group = stream.next_group
+    while stream.eval_request is None and (group := claim_group(stream)) is not None:
         sampling = SamplingParams(n=go["n"], temperature=go["temperature"], max_tokens=go["max_tokens"], logprobs=0,
                                   detokenize=False, stop_token_ids=[stop_id], output_kind=RequestOutputKind.FINAL_ONLY,
                                   seed=core.sampling_seed(go["seed"], "train", group))
         engine.add_request(str(group), TokensPrompt(prompt_token_ids=stream.prompts[group % len(stream.prompts)]),
                            sampling, lora_request=stream.adapter)
         stream.running[str(group)] = (group, stream.loaded, time.time())
-        stream.next_group += 1
     mark_idle(stream, not stream.running)
 
 
@@ -989,11 +1119,13 @@ def step_and_send(engine, stream: Stream, results) -> None:
         if not output.finished:
             continue
         group, version, admitted = stream.running.pop(output.request_id)
+        place = release_group(stream, group, version)
         completions = output.outputs
         spans = [[(int(s.version), s.start, s.end) for s in c.weight_versions] for c in completions]
         results.put(dict(
-            kind="group", index=group, version=min(span[0][0] for span in spans if span), admitted=admitted,
-            finished=time.time(), spans=spans, responses=[list(c.token_ids) for c in completions],
+            kind="group", index=group, engine=stream.engine, place=place, admitted=admitted, finished=time.time(),
+            version=min(span[0][0] for span in spans if span), spans=spans,
+            responses=[list(c.token_ids) for c in completions],
             logprobs=[[p[t].logprob for t, p in zip(c.token_ids, c.logprobs)] for c in completions],
             ended=[c.finish_reason == "stop" for c in completions], loaded=stream.loaded, loads=stream.loads,
             reprefills=stream.reprefills, idle_seconds=stream.idle))
@@ -1077,36 +1209,110 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
     return kwargs
 
 
-def start_generator(engine_kwargs: dict, weight_layout: list, stop_id: int, cores: Optional[list],
-                    args: Args) -> generator_io.Generator:
-    """Spawn the generator: requests one at a time, results a stream of up to --max_in_flight groups."""
+def start_engines(engine_kwargs: dict, weight_layout: list, stop_id: int, cores: Optional[list], node: int,
+                  args: Args) -> list:
+    """Spawn this node's G engines (GPU: engine i on GPU i; CPU: --generator_cores of `cores` each), numbered
+    node x G + i: requests one at a time, each its own; their results one stream, the node's."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
-    log_path = None if args.verbose else os.path.join(args.output_dir, "generator.log")
-    generator_io.quiet_resource_tracker(log_path)
     ctx = mp.get_context("spawn")
-    requests, results = ctx.Queue(), ctx.Queue()  # (the admission bound keeps it within --max_in_flight)
-    process = ctx.Process(target=generator_main, args=(
-        engine_kwargs, weight_layout, stop_id, requests, results, cores, run_tmp_dir, log_path))
-    process.start()
-    return generator_io.Generator(process, requests, results, run_tmp_dir, log_path)
+    results, engines = ctx.Queue(), []  # (the admission bound keeps it within --max_in_flight)
+    for i in range(args.num_generators):
+        engine = node * args.num_generators + i
+        log_path = None if args.verbose else os.path.join(args.output_dir, "generator.log" if engine == 0
+                                                          else f"generator{engine}.log")
+        generator_io.quiet_resource_tracker(log_path)
+        kwargs = dict(engine_kwargs, **({"device_ids": [i]} if torch.cuda.is_available() and i else {}))
+        mine = cores[i * args.generator_cores: (i + 1) * args.generator_cores] if cores else None
+        requests = ctx.Queue()
+        process = ctx.Process(target=generator_main, args=(
+            kwargs, weight_layout, stop_id, requests, results, mine, run_tmp_dir, log_path))
+        process.start()
+        engines.append(generator_io.Generator(process, requests, results, run_tmp_dir, log_path, engine=engine))
+    return engines
 
 
-def submit(generator: generator_io.Generator, request: dict) -> None:
-    """ASYNC: send the generator a message. Rank 0 alone holds the generator (the others have nothing
-    to send); a dead generator found here is told at the next collect."""
-    if generator.process is not None:
-        generator_io.send(generator, request)
+def stop_engines(engines: list) -> None:
+    for engine in engines:
+        engine.stop()
 
 
-def collect(generator: generator_io.Generator, args: Args) -> dict:
-    """ASYNC: the generator's next message from the stream: rank 0 takes it and broadcasts it, so that
-    every rank takes the same group (or the generator's error) at the same point."""
-    message = generator_io.receive(generator) if args.rank == 0 else None
-    if args.world_size > 1:
-        box = [message]
-        torch.distributed.broadcast_object_list(box, src=0)
-        message = box[0]
-    return generator_io.raise_error(message, args.rank)
+def submit(engines: list, request: dict) -> None:
+    """ASYNC: send each of this node's engines a message (a node's leader holds them; the other ranks have none);
+    a dead engine found here is told at the next collect."""
+    for engine in engines:
+        generator_io.send(engine, request)
+
+
+def collect(engines: list, args: Args) -> dict:
+    """ASYNC: the next message from the stream, the same on every rank. One generator node: rank 0 takes it from its
+    engines and broadcasts it. Several: the ranks poll together, each node's leader saying whether it holds one,
+    and the first that does broadcasts it (an engine's error, or death, likewise)."""
+    if args.generator_nodes == 1:
+        message = generator_io.receive_any(engines) if args.rank == 0 else None
+        if args.world_size > 1:
+            box = [message]
+            torch.distributed.broadcast_object_list(box, src=0)
+            message = box[0]
+        return generator_io.raise_error(message, args.rank)
+    while True:
+        if engines and engines[0].held is None:  # (a node's leader: hold its next message until it is shared)
+            engines[0].held = generator_io.poll(engines)
+        holds = [None] * args.world_size
+        torch.distributed.all_gather_object(holds, bool(engines and engines[0].held is not None))
+        if any(holds):
+            source = holds.index(True)
+            box = [engines[0].held if args.rank == source else None]
+            torch.distributed.broadcast_object_list(box, src=source)
+            if args.rank == source:
+                engines[0].held = None
+            return generator_io.raise_error(box[0], args.rank, source)
+        time.sleep(0.005)
+
+
+def open_record(args: Args) -> tuple:
+    """ASYNC: the admission record, a key-value store of torch.distributed's that every engine and rank 0 reach: under
+    torchrun the job's own (MASTER_ADDR: every node reaches it), else one rank 0 hosts; the run's name its prefix.
+    Returns rank 0's connection (None on the other ranks) and the address the engines connect to."""
+    import datetime
+
+    prefix = f"async-rlhf/{args.run_name}/"
+    if "MASTER_ADDR" in os.environ:
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix)
+        return (connect_record(*address) if args.rank == 0 else None), address
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=60))  # (one process: it hosts the store)
+    return torch.distributed.PrefixStore(prefix, server), ("127.0.0.1", server.port, prefix)
+
+
+def open_admission(record, first_group: int, args: Args) -> None:
+    """Rank 0 sets the record before "go": no group running, the next one `first_group` (resumed: the groups
+    taken), none finished (an engine reading it first waits for it: the store's reads wait for a key)."""
+    if args.rank == 0:
+        record.set("admission", json.dumps(dict(next=first_group, running={}, finished=0, by="")))
+        record.set("taken", str(first_group))
+
+
+def leaders_group(hosts_engines: bool, args: Args):
+    """The process group of the generator nodes' leaders (rank 0 first), which each new version reaches their nodes'
+    slots through (a broadcast: NCCL on GPU, gloo on CPU); None with one generator node. Every rank calls it."""
+    if args.generator_nodes == 1:
+        return None
+    hosts = [None] * args.world_size
+    torch.distributed.all_gather_object(hosts, hosts_engines)
+    return torch.distributed.new_group([rank for rank, yes in enumerate(hosts) if yes])
+
+
+def wait_for_adoption(record, engines: list, held: int, args: Args) -> float:
+    """ASYNC: rank 0 waits until every engine has loaded version `held` or a newer one, before its slot is
+    rewritten (an engine reads only the newest version published, and never loads back): the seconds waited. A
+    dead engine would never load it: its error, or its death, stops the wait."""
+    start, keys = time.time(), [f"loaded/{engine}" for engine in range(args.num_engines)]
+    while args.rank == 0 and held >= 0 and min(map(int, record.multi_get(keys))) < held:
+        if record.check(["error"]):
+            raise generator_io.GeneratorError(record.get("error").decode())
+        generator_io.check_alive(engines)
+        time.sleep(0.002)
+    return time.time() - start
 
 
 # --- Evaluation: greedy pass@1 on the test problems ----------------------------------------------------------------

@@ -46,13 +46,15 @@ def completions(run_dir: str) -> list[dict]:
         for response, logprobs, spans in zip(group["responses"], group["logprobs"], group["spans"]):
             versions = [v for v, start, end in spans for _ in range(end - start)]
             rows.append(dict(prompt=group["prompt"], response=response, logprobs=torch.tensor(logprobs),
-                             versions=torch.tensor(versions), temperature=group["temperature"]))
+                             versions=torch.tensor(versions), temperature=group["temperature"],
+                             engine=group.get("engine", 0)))
     return rows
 
 
 def token_gaps(run_dir: str, mislabel: int = 0, chunk: int = 32) -> dict:
     """|log pi_v(token) - sampler's log-prob| for every token, v its (possibly mislabelled) version: "first" for the
-    tokens of the completion's first version, "later" for those sampled after a load mid-generation."""
+    tokens of the completion's first version, "later" for those sampled after a load mid-generation; and
+    "engine{e}" for every token engine e sampled (--num_generators, --generator_nodes)."""
     rows, folder = completions(run_dir), os.path.join(run_dir, "versions")
     known = sorted(int(name[: -len(".pt")]) for name in os.listdir(folder) if name.endswith(".pt"))
     for row in rows:
@@ -89,6 +91,7 @@ def token_gaps(run_dir: str, mislabel: int = 0, chunk: int = 32) -> dict:
         gap, later = (row["recomputed"] - row["logprobs"]).abs(), row["versions"] != row["versions"][0]
         gaps["first"].append(gap[~later & ~gap.isnan()])
         gaps["later"].append(gap[later & ~gap.isnan()])
+        gaps.setdefault(f"engine{row['engine']}", []).append(gap[~gap.isnan()])
     return {key: torch.cat(value) for key, value in gaps.items()}
 
 
@@ -105,3 +108,5 @@ if __name__ == "__main__":
     print(f"|log pi_version(token) - the sampler's log-prob|, versions mislabelled by {args.mislabel}:")
     print(f"  tokens of the completion's first version:   {describe(gaps['first'])}")
     print(f"  tokens sampled after a mid-generation load: {describe(gaps['later'])}")
+    for name in sorted(key for key in gaps if key.startswith("engine")):
+        print(f"  {name}'s tokens: {' ' * (33 - len(name))}{describe(gaps[name])}")

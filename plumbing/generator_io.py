@@ -26,6 +26,8 @@ class Generator:
     tmp_dir: Optional[str] = None  # the generator's temporary files, removed at the end
     log_path: Optional[str] = None  # vLLM's log (None: --verbose, the console)
     error: Optional[GeneratorError] = None  # its death, noticed while sending (told at the next receive)
+    engine: Optional[int] = None  # fully_async_grpo.py: its engine's number, when several share one results queue
+    held: Optional[dict] = None  # fully_async_grpo.py, several nodes: a message taken, not yet shared with all ranks
 
     def stop(self) -> None:
         """Stop the generator, and exit whatever is queued: a queue's feeder thread blocks while the
@@ -65,12 +67,43 @@ def receive(generator: Generator):
         return error
 
 
-def raise_error(message, rank: int) -> dict:
+def raise_error(message, rank: int, source: int = 0) -> dict:
     """The message, unless it is the generator's error: that is raised (on the other ranks, saying
-    that rank 0 stopped)."""
+    that rank `source`, which received it, stopped)."""
     if isinstance(message, BaseException):
-        raise message if rank == 0 else GeneratorError(f"rank 0 stopped: {message}")
+        raise message if rank == source else GeneratorError(f"rank {source} stopped: {message}")
     return message
+
+
+def receive_any(generators: list):
+    """`receive` for several generators sharing one results queue (fully_async_grpo.py's engines): the
+    next message any of them sent; the death of any is an error naming its engine."""
+    try:
+        return next((g.error for g in generators if g.error), None) or get(generators[0].results, generators)
+    except GeneratorError as error:
+        return error
+
+
+def poll(generators: list):
+    """`receive_any` without waiting: None when nothing has come (and every generator lives)."""
+    try:
+        message = generators[0].results.get_nowait()
+    except queue.Empty:
+        try:
+            check_alive(generators)
+        except GeneratorError:
+            return receive_any(generators)  # (its error, if it sent one before exiting, or its death)
+        return None
+    return GeneratorError("the generator process failed:\n" + message["traceback"]) if message["kind"] == "error" \
+        else message
+
+
+def check_alive(generators: list) -> None:
+    """An error naming the first generator that has exited."""
+    for g in generators:
+        if not g.process.is_alive():
+            raise GeneratorError(f"the generator process{'' if g.engine is None else f' of engine {g.engine}'} "
+                                 f"exited unexpectedly (exit code {g.process.exitcode})")
 
 
 def put(requests, request: dict, process) -> None:
@@ -85,16 +118,19 @@ def put(requests, request: dict, process) -> None:
 
 
 def get(results, process) -> dict:
-    """Take from the result queue, without hanging on a dead generator; re-raise its error."""
+    """Take from the result queue, without hanging on a dead generator (`process`: its process, or the
+    Generators sharing the queue); re-raise its error."""
     while True:
         try:
             message = results.get(timeout=0.5)
         except queue.Empty:
-            if process.is_alive():
+            if all(p.process.is_alive() for p in process) if isinstance(process, list) else process.is_alive():
                 continue
             try:  # it may have reported its error just before exiting
                 message = results.get(timeout=1.0)
             except queue.Empty:
+                if isinstance(process, list):
+                    check_alive(process)
                 raise GeneratorError(f"the generator process exited unexpectedly (exit code "
                                      f"{process.exitcode})") from None
         if message["kind"] == "error":
