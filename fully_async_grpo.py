@@ -27,6 +27,7 @@ import queue
 import random
 import re
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ TINY_DEFAULTS = dict(
 # sample). Any other difference from the checkpoint's run is refused, naming the flag.
 MAY_DIFFER_ON_RESUME = {
     "exp_name", "track", "wandb_project", "wandb_entity", "output_dir", "save_model", "save_merged", "verbose",
-    "tiny_dir", "vllm_gpu_memory_utilization", "generator_cores", "record_rollouts", "record_every",
+    "tiny_dir", "vllm_gpu_memory_utilization", "generator_cores", "num_generators", "generator_nodes",
+    "record_rollouts", "record_every",
     "gradient_checkpointing", "save_every", "resume_from", "run_name", "rank", "lag_every", "eval_every",
     "num_eval_prompts", "num_final_eval_prompts", "eval_temperature", "eval_response_length"}
 
@@ -346,11 +348,15 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     config = AutoConfig.from_pretrained(args.sft_model_path)
     with torch.device("meta"):  # the buffer's layout needs the config only, no weights
         weight_layout = weight_table(lora.add_adapter(AutoModelForCausalLM.from_config(config), args))
+    # ASYNC: the admission record, one for all engines (compare-and-set on torchrun's store, or one rank 0 hosts):
+    # the next group's index, the versions the running groups were admitted under, the finishing order, the groups
+    # taken, each engine's loaded version
+    admission_record, record_address = open_record(args)
     engines = []  # this node's engines, held by its leader (the other ranks get their messages from it)
     if hosts_engines:
         engines = start_engines(engine_kwargs(args, config, use_cuda), weight_layout, run.eos_id,
                                 None if use_cuda else generator_cores, node, args)
-        cleanup.callback(stop_engines, engines)
+        cleanup.callback(stop_engines, engines, watch_engines(engines, record_address))
     if shares_gpu0:
         collect(engines, args)  # "ready": vLLM has taken its share of GPU 0 (one engine)
 
@@ -372,11 +378,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     passes = -(-most_groups // len(train_prompts))
     prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])[:most_groups]
     eval_set = evaluation_set(test_data, tokenizer, args)
-    # ASYNC: the admission record, one for all engines (compare-and-set on torchrun's store, or one rank 0 hosts):
-    # the next group's index, the versions the running groups were admitted under, the groups taken, each
-    # engine's loaded version. And k + 1 weight slots on each generator node (rank 0's, copied to the others'
-    # over torch.distributed): the learner never overwrites a version an engine may still be loading
-    admission_record, record_address = open_record(args)
+    # ASYNC: k + 1 weight slots on each generator node (rank 0's, copied to the others' over torch.distributed):
+    # the learner never overwrites a version an engine may still be loading
     leaders = leaders_group(hosts_engines, args)  # (None: one generator node)
     weight_slots = make_weight_slots(weight_layout, len_slots(args), dtype, device) if hosts_engines else None
     for engine in engines:
@@ -428,7 +431,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     if not args.resume_from:  # evaluate the SFT policy, then start the clock; on the final evaluation's
         evaluate_now(whole=True)  # prompts: the gains' baseline
     if args.rank == 0:
-        tqdm.write(f"the stream: {args.groups_per_step} groups of {args.num_samples} completions a step, at most "
+        tqdm.write(f"the stream: {args.groups_per_step} groups of {args.num_samples} completions a step from "
+                   f"{args.num_engines} engine{'s' if args.num_engines > 1 else ''}, at most "
                    f"{args.max_staleness} versions stale ({args.stale_policy}), {args.proximal} proximal policy, "
                    f"{args.advantage} advantages")
     training_start = stream["start"] = time.time()
@@ -446,9 +450,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         batch, discarded = take_groups(engines, stream, version, args)
         took = time.time() - step_start
         if args.record_rollouts:  # (and the discarded groups, marked: every group taken is accounted for)
-            for groups, trained in ((batch, True), (discarded, False)):
-                prompts = [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in groups]
-                record_groups(groups, prompts, trained, args)
+            for groups, fate in ((batch, "trained"), (discarded, "discarded")):
+                record_groups(groups, [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in groups],
+                              fate, args)
 
         # 2. ALGO: grade this rank's completions; each one's advantage is relative to its group's
         train_start = time.time()
@@ -509,6 +513,10 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
             loop = (stream["taken"], version, version, last_eval, [])
             checkpoint.save(args, loop, None, **saved, batch_in_flight=False)
 
+    if args.record_rollouts:  # (the audit accounts for every group admitted: those still in flight too)
+        leftovers = take_leftovers(admission_record, engines, stream, args)
+        record_groups(leftovers, [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in leftovers],
+                      "in flight at the end", args)
     evaluate_now(final=True)  # the whole test split, with the last weights
     progress.close()
     if args.rank == 0:
@@ -618,16 +626,37 @@ def stream_stats(batch: list, discarded: int, stream: dict, engines: list, args:
 
 
 # --- Auditing a run (--record_rollouts): what the learner trained on, and every version that sampled it --------
-def record_groups(batch: list, prompts: list, trained: bool, args: Args) -> None:
+def record_groups(batch: list, prompts: list, fate: str, args: Args) -> None:
     """The step's groups, a line each in {output_dir}/rollouts.jsonl: the prompt's and completions' tokens, the
     sampler's per-token log-probs, each completion's (version, first token, end) spans, the sampling temperature,
-    the engine, and whether the learner trained on it (false: discarded, too stale)."""
+    the engine, and its fate: trained, discarded (too stale), or in flight at the end."""
     if args.rank == 0:
         with open(os.path.join(args.output_dir, "rollouts.jsonl"), "a") as f:
             for group, prompt in zip(batch, prompts):
                 f.write(json.dumps(dict(index=group["index"], prompt=prompt, responses=group["responses"],
                                         logprobs=group["logprobs"], spans=group["spans"], engine=group["engine"],
-                                        trained=trained, temperature=args.temperature)) + "\n")
+                                        fate=fate, temperature=args.temperature)) + "\n")
+
+
+def take_leftovers(admission_record, engines: list, stream: dict, args: Args) -> list:
+    """After the last step: close admission (the record's room, none), wait until no group runs, and take every
+    group still in the stream, in finishing order (their number rank 0 reads from the record)."""
+    count = [0]
+    if args.rank == 0:
+        admission_record.set("taken", str(-10**9))
+        while (state := json.loads(admission_record.get("admission")))["running"]:
+            check_engines(admission_record, engines)
+            time.sleep(0.05)
+        count = [state["finished"] - stream["next_place"]]
+    if args.world_size > 1:
+        torch.distributed.broadcast_object_list(count, src=0)
+    leftovers = []
+    for _ in range(count[0]):
+        while stream["next_place"] not in stream["arrived"]:
+            arrive(collect(engines, args), stream)
+        leftovers.append(stream["arrived"].pop(stream["next_place"]))
+        stream["next_place"] += 1
+    return leftovers
 
 
 def record_version(weight_slots: Optional[torch.Tensor], table: list, version: int, args: Args) -> None:
@@ -1214,13 +1243,14 @@ def start_engines(engine_kwargs: dict, weight_layout: list, stop_id: int, cores:
     """Spawn this node's G engines (GPU: engine i on GPU i; CPU: --generator_cores of `cores` each), numbered
     node x G + i: requests one at a time, each its own; their results one stream, the node's."""
     run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
+    os.makedirs(args.output_dir, exist_ok=True)  # (another node's: the logs go there)
+    logs = [None if args.verbose else os.path.join(args.output_dir, "generator.log" if e == 0 else f"generator{e}.log")
+            for e in range(node * args.num_generators, (node + 1) * args.num_generators)]
+    generator_io.quiet_resource_tracker(logs[0])  # (before the first queue: its semaphores start the tracker)
     ctx = mp.get_context("spawn")
     results, engines = ctx.Queue(), []  # (the admission bound keeps it within --max_in_flight)
-    for i in range(args.num_generators):
+    for i, log_path in enumerate(logs):
         engine = node * args.num_generators + i
-        log_path = None if args.verbose else os.path.join(args.output_dir, "generator.log" if engine == 0
-                                                          else f"generator{engine}.log")
-        generator_io.quiet_resource_tracker(log_path)
         kwargs = dict(engine_kwargs, **({"device_ids": [i]} if torch.cuda.is_available() and i else {}))
         mine = cores[i * args.generator_cores: (i + 1) * args.generator_cores] if cores else None
         requests = ctx.Queue()
@@ -1231,9 +1261,36 @@ def start_engines(engine_kwargs: dict, weight_layout: list, stop_id: int, cores:
     return engines
 
 
-def stop_engines(engines: list) -> None:
+def watch_engines(engines: list, address: tuple) -> threading.Event:
+    """A node's leader: a thread per engine that writes its death in the record, where rank 0 sees it while it
+    waits on the record (for a load, or for the last groups) rather than on this node's messages. Set the event
+    returned before stopping the engines."""
+    stopping = threading.Event()
+
+    def watch(engine: generator_io.Generator) -> None:
+        engine.process.join()
+        if not stopping.is_set():
+            with contextlib.suppress(Exception):
+                connect_record(*address).set("error", f"the generator process of engine {engine.engine} exited "
+                                                      f"unexpectedly (exit code {engine.process.exitcode})")
+
+    for engine in engines:
+        threading.Thread(target=watch, args=(engine,), daemon=True).start()
+    return stopping
+
+
+def stop_engines(engines: list, stopping: threading.Event) -> None:
+    stopping.set()
     for engine in engines:
         engine.stop()
+
+
+def check_engines(admission_record, engines: list) -> None:
+    """Rank 0, waiting on the record: an engine's error (any node's, written there) or the death of one of its own
+    ends the wait."""
+    if admission_record.check(["error"]):
+        raise generator_io.GeneratorError(admission_record.get("error").decode())
+    generator_io.check_alive(engines)
 
 
 def submit(engines: list, request: dict) -> None:
@@ -1308,9 +1365,7 @@ def wait_for_adoption(record, engines: list, held: int, args: Args) -> float:
     dead engine would never load it: its error, or its death, stops the wait."""
     start, keys = time.time(), [f"loaded/{engine}" for engine in range(args.num_engines)]
     while args.rank == 0 and held >= 0 and min(map(int, record.multi_get(keys))) < held:
-        if record.check(["error"]):
-            raise generator_io.GeneratorError(record.get("error").decode())
-        generator_io.check_alive(engines)
+        check_engines(record, engines)
         time.sleep(0.002)
     return time.time() - start
 

@@ -67,6 +67,13 @@ class Args:
     """more flags for every fully_async_grpo.py run, after its own (on GPUs: --script_flags="--model rho-1b")"""
     quick: bool = False
     """6-step pilots and one 6-step run checked: checks the tool, measures little"""
+    gpus: int = 8
+    """the split table: GPUs to share between engines and learners"""
+    generation_seconds: float = 12.2
+    """the split table: one engine's seconds to sample a step's batch (default: rho-1b on GSM8k, the paper's
+    synchronous step, generation on one GPU)"""
+    training_seconds: float = 89.6
+    """the split table: one GPU's seconds to train on a step's batch (default: the paper's 12.8 s on 7 GPUs, x 7)"""
 
 
 # --- The pilots and the runs: fully_async_grpo.py as a user runs it -------------------------------------------------
@@ -155,48 +162,60 @@ class Setting:
     chunk: int = 0  # --per_device_train_batch_size (0: a mini-batch's completions)
     max_length: int = 128  # --response_length: completions cut there
     kv: str = "recompute"  # --kv_on_update: in flight, `recompute` re-reads the running sequences' prefixes
-    share: float = PILOT_SHARE  # the generator's share of the machine
+    share: float = PILOT_SHARE  # the generators' share of the machine, split evenly among them
     steps: int = 48
+    engines: int = 1  # G
+    engine_speed: float = 0.0  # each engine's, relative to the pilots' (0: from the share)
+    learner_speed: float = 0.0  # the learners', relative to the pilots' (0: from the share)
 
 
 def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
-    """The stream at this setting with these rates: seconds a step, idle fractions, staleness, discards, the queue
-    (groups finished and not yet taken when a version is published: where the script logs `queue/depth`)."""
-    rng, speed = random.Random(seed), setting.share / PILOT_SHARE
+    """The stream at this setting with these rates: seconds a step, idle fractions (the engines': their mean),
+    staleness, discards, the queue (groups finished and not yet taken when a version is published: where the script
+    logs `queue/depth`). G engines (setting.engines) act in the order of their clocks, each loading, admitting under
+    the shared bound (the oldest version any engine's group still running at its clock holds), stepping, or idle
+    until the learner publishes or another engine's group ends."""
+    rng, speed = random.Random(seed), setting.engine_speed or setting.share / setting.engines / PILOT_SHARE
     k, groups, inflight = setting.k, setting.groups, setting.inflight
     go = dict(max_staleness=k, groups_per_step=groups, stale_policy=setting.policy,
               max_in_flight=setting.room or (k + 1) * groups, inflight_updates=inflight)
-    clock, loaded, next_group, running, finished, published = 0.0, 0, 0, {}, [], [(0.0, 0, 0)]
+    engines = [dict(clock=0.0, loaded=0, running={}, idle=0.0) for _ in range(setting.engines)]
+    next_group, finished, published = 0, [], [(0.0, 0, 0)]
     learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0)
-    finish_times = []  # (every group's, in order: the queue's depth when each version is published)
-    generator_idle, multi_version = 0.0, []
+    finish_times, multi_version = [], []  # (every group's, in order: the queue's depth when each version is published)
     while learner["version"] < setting.steps:
+        engine = min(engines, key=lambda e: e["clock"])
+        clock, running = engine["clock"], engine["running"]
         learner_takes(learner, finished, clock, rates, setting, published)
         if learner["version"] >= setting.steps:
             break
         newest, taken = max((v, n) for t, v, n in published if t <= clock)
-        if newest > loaded and (not running or inflight):  # a load; in flight under recompute, every running
-            loaded, clock = newest, clock + rates["c"] / speed  # sequence re-reads its prefix
+        if newest > engine["loaded"] and (not running or inflight):  # a load; in flight under recompute, every
+            engine["loaded"], clock = newest, clock + rates["c"] / speed  # running sequence re-reads its prefix
             if setting.kv == "recompute" and running:
                 reread = sum(g["prompt"] + sum(n - left for n, left in zip(g["lengths"], g["left"]))
                              for g in running.values())
                 clock += rates["f"] * reread / speed
             for group in running.values():
-                group["versions"].add(loaded)
-        oldest = min([loaded, *(g["version"] for g in running.values())])
-        while can_admit(go, next_group, next_group - taken, loaded, oldest, newest > loaded):
+                group["versions"].add(engine["loaded"])
+        still_running = [g["version"] for e in engines for g in e["running"].values()]
+        still_running += [g["version"] for t, _, g in finished if t > clock]  # (ended at a later clock)
+        oldest = min([engine["loaded"], *still_running])
+        while can_admit(go, next_group, next_group - taken, engine["loaded"], oldest, newest > engine["loaded"]):
             prompt, lengths = rng.choice(rates["groups"])
             lengths = [min(n, setting.max_length) for n in lengths]
-            running[next_group] = dict(version=loaded, prompt=prompt, lengths=lengths, left=lengths,
-                                       versions={loaded})
+            running[next_group] = dict(version=engine["loaded"], prompt=prompt, lengths=lengths, left=lengths,
+                                       versions={engine["loaded"]})
             clock += rates["f"] * prompt / speed  # (its prompt read once)
             next_group += 1
-        if not running:  # idle until the learner publishes
+        if not running:  # idle until the learner publishes, or another engine's group ends (the bound may move)
             upcoming = [t for t, _, _ in published if t > clock]
+            upcoming += [e["clock"] for e in engines if e is not engine and e["running"]]
             if not upcoming:
                 raise RuntimeError(f"the stream deadlocks at {setting}")
-            generator_idle += min(upcoming) - clock
-            clock = min(upcoming)
+            wake = max(min(upcoming), clock + 1e-9)
+            engine["idle"] += wake - clock
+            engine["clock"] = wake
             continue
         sequences = sum(sum(n > 0 for n in g["left"]) for g in running.values())
         clock += (rates["a"] + rates["b"] * sequences) / speed  # one engine step
@@ -204,11 +223,13 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
             group = running[index]
             group["left"] = [n - 1 for n in group["left"]]
             if max(group["left"]) <= 0:
-                finished.append((clock, running.pop(index)))
-                finish_times.append(clock)
+                bisect.insort(finished, (clock, index, running.pop(index)), key=lambda f: f[:2])
+                bisect.insort(finish_times, clock)
                 multi_version.append(len(group["versions"]) > 1)
+        engine["clock"] = clock
     total = learner["free_at"]
     accepted = len(learner["staleness"])
+    generator_idle = sum(min(e["idle"], total) for e in engines) / len(engines)
     return dict(seconds_a_step=total / setting.steps, learner_idle=learner["idle"] / total,
                 generator_idle=min(generator_idle / total, 1.0), staleness=statistics.mean(learner["staleness"]),
                 discarded=learner["discarded"] / (learner["discarded"] + accepted),
@@ -230,7 +251,7 @@ def learner_takes(learner: dict, finished: list, clock: float, rates: dict, sett
     """Every learner step whose groups have finished by the generator's clock: take them in the order they finished
     (a group staler than k discarded), train, publish the next version."""
     while finished and finished[0][0] <= clock:
-        finish, group = finished.pop(0)
+        finish, _, group = finished.pop(0)
         too_stale = learner["version"] - group["version"] > setting.k  # (head: kept, as the script keeps it)
         if too_stale and setting.policy == "pace":
             raise RuntimeError("a group staler than k under pace: the simulation broke the bound")
@@ -242,7 +263,7 @@ def learner_takes(learner: dict, finished: list, clock: float, rates: dict, sett
             continue
         start = max(learner["free_at"], learner["batch"][-1][0])
         learner["idle"] += start - learner["free_at"]
-        learner_speed = (1 - setting.share) / PILOT_SHARE
+        learner_speed = setting.learner_speed or (1 - setting.share) / PILOT_SHARE
         learner["free_at"] = start + learner_seconds(learner["batch"], rates, setting) / learner_speed
         learner["staleness"] += [learner["version"] - g["version"] for _, g in learner["batch"]]
         learner["version"] += 1
@@ -346,6 +367,10 @@ CHECKED = {  # name: (groups a step: the runs' or 4, flags, the simulation's set
     "B = 4, k = 2, drain then reload": (4, ("--max_staleness", "2"), dict(k=2)),
     "B = 4, k = 2, head, in flight": (4, ("--max_staleness", "2", "--stale_policy", "head", "--inflight_updates"),
                                       dict(k=2, policy="head", inflight=True)),
+    # two engines and the learner unpinned on the 2 cores: three processes, ~2/3 of a core each while all are busy
+    # (a static share: one side waiting gives the others more, which the model does not count)
+    "G = 2, k = 2, pace": (None, ("--max_staleness", "2", "--num_generators", "2"),
+                           dict(k=2, engines=2, share=2 / 3)),
 }
 
 
@@ -372,6 +397,31 @@ def check(rates: dict, args: Args) -> dict:
         print(f"  {name:<34} model  {line(model)}\n  {'':<34} real   {line(real)}\n  {'':<34} error  {line(error)}")
         pairs[name] = (model, real)
     return pairs
+
+
+def report_split(rates: dict, args: Args) -> None:
+    """The split of --gpus GPUs between G engines and L learners (k = 2, pace): each engine a GPU, the learners'
+    step divided among them (data parallel, ideally). The pilots give the shape (the lengths' tail, an engine
+    step's cost in its sequences, the learner's in its padded tokens); --generation_seconds and --training_seconds
+    the scale: one engine's time to sample a step's batch, one GPU's to train on it."""
+    sync = predicted(rates, Setting(0, args.groups, engine_speed=1.0, learner_speed=1.0))
+    generation = sync["learner_idle"] * sync["seconds_a_step"]  # (k = 0: the learner waits for the whole batch)
+    scale_g, scale_l = args.generation_seconds / generation, args.training_seconds / (sync["seconds_a_step"]
+                                                                                      - generation)
+    gpu = {**rates, **{key: rates[key] * scale_g for key in "abcf"},
+           **{key: rates[key] * scale_l for key in "dep"}}
+    print(f"\nthe split of {args.gpus} GPUs (k = 2, pace, B = {args.groups}; a step's batch sampled by one engine in "
+          f"{args.generation_seconds} s, trained on one GPU in {args.training_seconds} s; learners scale ideally):")
+    print("   G   L  seconds a step  learner idle  engines idle  staleness")
+    best = None
+    for engines in range(1, args.gpus):
+        model = predicted(gpu, Setting(2, args.groups, engines=engines, engine_speed=1.0,
+                                       learner_speed=float(args.gpus - engines)), seeds=3)
+        print(f"  {engines:>2}  {args.gpus - engines:>2}  {model['seconds_a_step']:>14.2f}  "
+              f"{model['learner_idle']:>12.2f}  {model['generator_idle']:>12.2f}  {model['staleness']:>9.2f}")
+        best = min(best or (model["seconds_a_step"], engines), (model["seconds_a_step"], engines))
+    print(f"  the model's split: G = {best[1]} engines, L = {args.gpus - best[1]} learners "
+          f"(--num_generators {best[1]}, torchrun --nproc_per_node {args.gpus - best[1]})")
 
 
 def plot(pairs: dict, path: str) -> None:
@@ -427,4 +477,5 @@ if __name__ == "__main__":
     report_grid(rates, args)
     design(rates)
     report_flat_steps(rates)
+    report_split(rates, args)
     plot(check(rates, args), os.path.join(args.plot_dir, "capacity.png"))

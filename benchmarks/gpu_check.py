@@ -15,7 +15,10 @@
       the device's peak while they do is printed beside the shards;
   (d) precision parity at step 0 (equal weights): DPO's first loss against ln 2, the reference's log-probs against
       the policy's, and PPO's and RLOO's first ratios with pi_old recomputed and with pi_old from a bfloat16 sampler
-      (steps at lr 0 with plain SGD, which holds no state; each algorithm's peak GPU memory printed).
+      (steps at lr 0 with plain SGD, which holds no state; each algorithm's peak GPU memory printed);
+  (f) real generators reloading versions (in flight, between rounds, a LoRA adapter); (g) seeded sampling's cost;
+  (h) fully_async_grpo.py with two engines under one admission record, both loading in flight (on GPUs: engine 1
+      on GPU 1 by vLLM's device_ids, reading the slots on GPU 0; needs two GPUs, skipped on one).
 
     python benchmarks/gpu_check.py                       # a few minutes on one 80 GB GPU (pythia-2.8b)
     python benchmarks/gpu_check.py --model pythia-410m   # smaller
@@ -670,18 +673,19 @@ def judge_reload(label: str, own: torch.Tensor, other: torch.Tensor, device: tor
     return figure
 
 
-def inflight_reload(device: torch.device) -> str:
+def inflight_reload(device: torch.device, num_generators: int = 1) -> str:
     """(f) fully_async_grpo.py's generator_main (its engine_kwargs: CUDA graphs on a GPU, the synchronous scheduler),
     streaming groups; once the first group is back, version 1 (the SFT weights perturbed far beyond bfloat16's noise)
     is published and loaded mid-generation (--inflight_updates, recompute). Every token labelled 1 must carry the
-    new weights' log-prob, every token labelled 0 the old ones'."""
+    new weights' log-prob, every token labelled 0 the old ones'. With `num_generators` 2: two engines under the
+    shared admission record (on GPUs, engine 1 on GPU 1, reading the slots on GPU 0 by CUDA IPC), both loading."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import fully_async_grpo as fa
 
     use_cuda, out = device.type == "cuda", tempfile.mkdtemp(prefix="gpu-check-")
     args = fa.resolve_args(fa.Args(model="tiny", **fa.TINY_DEFAULTS, inflight_updates=True, output_dir=out,
-                                   vllm_gpu_memory_utilization=0.3))
+                                   vllm_gpu_memory_utilization=0.3, num_generators=num_generators))
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
     train, _ = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"), ("train", "test"))
     prompts = fa.tokenize_prompts(tokenizer, train["question"], args)
@@ -691,22 +695,27 @@ def inflight_reload(device: torch.device) -> str:
     fa.write_weight_snapshot(new, slots[1], table)
     engine = fa.engine_kwargs(args, AutoConfig.from_pretrained(args.sft_model_path), use_cuda)
     assert engine["async_scheduling"] is False and engine["enforce_eager"] is not use_cuda, engine
-    generator = fa.start_generator(engine, table, tokenizer.eos_token_id, None, args)
-    groups = []
+    record, address = fa.open_record(args)
+    engines, groups = fa.start_engines(engine, table, tokenizer.eos_token_id, None, 0, args), []
     try:
-        assert fa.collect(generator, args)["kind"] == "ready"
-        fa.submit(generator, dict(kind="start", weight_slots=slots, prompts=prompts, adapter_config=None))
-        fa.submit(generator, dict(kind="go", first_group=0, version=0, slot=0, seed=args.seed, n=args.num_samples,
-                                  temperature=args.temperature, max_tokens=args.response_length,
-                                  max_staleness=args.max_staleness, groups_per_step=args.groups_per_step,
-                                  stale_policy="pace", max_in_flight=args.max_in_flight, inflight_updates=True,
-                                  kv_on_update="recompute"))
-        groups.append(fa.collect(generator, args))  # the others are mid-generation now
-        fa.submit(generator, dict(kind="weights", version=1, slot=1, taken=1))  # (the stream then fills, and stops)
+        for engine in engines:
+            assert fa.collect(engines, args)["kind"] == "ready"
+            fa.submit([engine], dict(kind="start", weight_slots=slots, prompts=prompts, adapter_config=None,
+                                     engine=engine.engine, record=address))
+        fa.open_admission(record, 0, args)
+        fa.submit(engines, dict(kind="go", first_group=0, version=0, slot=0, seed=args.seed, n=args.num_samples,
+                                temperature=args.temperature, max_tokens=args.response_length,
+                                max_staleness=args.max_staleness, groups_per_step=args.groups_per_step,
+                                stale_policy="pace", max_in_flight=args.max_in_flight, inflight_updates=True,
+                                kv_on_update="recompute"))
+        groups.append(fa.collect(engines, args))  # the others are mid-generation now
+        record.set("taken", "1")  # (the stream then fills, and stops)
+        fa.submit(engines, dict(kind="weights", version=1, slot=1))
         while len(groups) < args.max_in_flight:
-            groups.append(fa.collect(generator, args))
+            groups.append(fa.collect(engines, args))
     finally:
-        generator.stop()
+        for engine in engines:
+            engine.stop()
     # Each completion's tokens by label: (prompt, tokens, the sampler's log-probs, the tokens of that version)
     by_version = {0: [], 1: []}
     for group in groups:
@@ -716,12 +725,14 @@ def inflight_reload(device: torch.device) -> str:
                 if (labels == version).any() and len(spans) > 1:  # (the completions loaded mid-generation)
                     by_version[version].append((group["index"] % len(prompts), tokens, logprobs, labels == version))
     assert by_version[1], "no completion was sampled by two versions: nothing was loaded mid-generation"
+    assert {g["engine"] for g in groups} == set(range(num_generators)), "an engine sampled no group"
     after = token_gaps(by_version[1], {"new": new, "old": old}, prompts, args.temperature, device)
     before = token_gaps(by_version[0], {"old": old}, prompts, args.temperature, device)
     judge_reload(f"{len(by_version[1])} completions loaded mid-generation, their later tokens", after["new"],
                  after["old"], device)
     assert before["old"].median() < RELOAD_TOLERANCE[device.type], "their earlier tokens are not the old weights'"
-    return (f"{len(by_version[1])} completions over 2 versions: version-1 tokens median gap "
+    return (f"{num_generators} engine(s), {len(by_version[1])} completions over 2 versions: version-1 tokens "
+            f"median gap "
             f"{after['new'].median():.1e} to v1, {after['old'].median():.2f} to v0; version-0 tokens "
             f"{before['old'].median():.1e} to v0")
 
@@ -849,6 +860,8 @@ if __name__ == "__main__":
     gpus = torch.cuda.device_count()
     checks = [  # the vLLM checks first: they were never run on a GPU, and a lent GPU's time may run out
         ("(f) in-flight reload, fully_async_grpo.py", inflight_reload, device),
+        *([("(h) two engines in flight, fully_async_grpo.py --num_generators 2", inflight_reload, device, 2)]
+          if gpus != 1 else []),  # (engine 1 on GPU 1: a one-GPU machine cannot place it)
         ("(f) reload between rounds, async_dpo.py", reload_between_rounds, device),
         ("(f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8", reload_between_rounds, device, 8),
         ("(g) seeded sampling's cost", seeded_sampling, device, 10 if device.type == "cuda" else 3),

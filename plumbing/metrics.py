@@ -190,10 +190,10 @@ def idle_regime(learner_idle: float, generator_idle: float, elapsed: float, bala
     learner, generator = learner_idle / max(elapsed, 1e-9), generator_idle / max(elapsed, 1e-9)
     times = f"the learner waited {learner:.0%} of the run's {elapsed:.0f} s, the generator {generator:.0%}"
     if learner > balanced * max(generator, 0.02):
-        return (f"regime: generation-bound: {times}. More samplers (or fewer learners), a larger --max_staleness, "
-                "or in-flight weight updates would keep the learner busy")
+        return (f"regime: generation-bound: {times}. More engines (--num_generators, --generator_nodes) or fewer "
+                "learners, a larger --max_staleness, or in-flight weight updates would keep the learner busy")
     if generator > balanced * max(learner, 0.02):
-        return (f"regime: training-bound: {times}. More learners, or larger groups (--num_samples) for the same "
-                "steps, would keep the generator busy")
+        return (f"regime: training-bound: {times}. More learners (or fewer engines), or larger groups "
+                "(--num_samples) for the same steps, would keep the generator busy")
     return f"regime: balanced (within {balanced}x): {times}"
 

@@ -161,7 +161,7 @@ def test_gpu_check_runs_on_the_cpu():
                   "sharded", "(f) the round after the reload", "(g) training round (32 prompts x 2)", "lag/kl_token",
                   "| (f) in-flight reload, fully_async_grpo.py | pass |", "131,072 bytes handed off",
                   "| (f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8 | pass |",
-                  "gpu_check: 9 of 9 checks passed"):
+                  "gpu_check: 10 of 10 checks passed"):
         assert check in result.stdout, result.stdout
 
 

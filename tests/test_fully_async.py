@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, TORCHRUN_2, run_in_process, run_script, start_as_a_foreground_job
 from test_end_to_end import read_metrics
-from test_failures import STOPS_WITHIN, assert_all_gone, generator_of, wait_for_training
+from test_failures import STOPS_WITHIN, assert_all_gone, wait_for_training
 from test_shutdown import assert_clean_exit
 
 import fully_async_grpo as fa
@@ -135,6 +135,9 @@ def test_the_admission_bound(policy, k, loaded, oldest, next_group, in_stream, l
     (["--num_mini_batches", "3"], "--num_mini_batches 3 x --per_device_train_batch_size 64 must divide the 64"),
     (["--prompt_format", "Q: {problem}"], "has no {question}"),
     (["--lora_rank", "8", "--inflight_updates"], "--inflight_updates with --lora_rank"),
+    (["--num_generators", "0"], "--num_generators must be at least 1"),
+    (["--generator_nodes", "2"], "--generator_nodes 2: the job has 1 node(s) (torchrun --nnodes)"),
+    (["--num_generators", "49"], "--num_generators 49: 49 engines, but the stream holds at most --max_in_flight 48"),
 ])
 def test_bad_flags_get_one_clear_error(flags_, message, tmp_path, capsys):
     code, stderr = run_in_process("fully_async_grpo.py", "--model", "tiny", "--output_dir", str(tmp_path), *flags_,
@@ -207,30 +210,7 @@ def test_drop_discards_what_arrives_too_stale_under_torchrun(chains_dir, tmp_pat
     assert steps[-1]["rollouts/accepted_total"] == 6 * 16 and evals[-1]["eval/num_prompts"] == 32
 
 
-def test_k_zero_is_on_policy_and_a_dead_generator_stops_the_run(chains_dir, tmp_path):
-    """k = 0: every step trains on groups its own version sampled (staleness 0), so the sampler's weight is 1 at
-    every step, not only the first, and the generator is idle while the learner trains. Then the generator dies:
-    the learner stops within seconds with its error."""
-    process = start_stream(chains_dir, tmp_path, "--max_staleness", "0", "--total_episodes", "100000")
-    children = wait_for_training(process, str(tmp_path), steps=3, step_metric="staleness/mean")
-    generator_of(children).kill()
-    stderr = stopped(process, 1, children)
-    assert "error: the generator process exited unexpectedly (exit code -9)" in stderr, stderr[-3000:]
-    steps, _ = stream_metrics(tmp_path)
-    assert all(r["staleness/max"] == 0 for r in steps)
-    assert all(abs(r["is/weight_mean"] - 1) < 1e-5 and abs(r["policy/ratio_mean"] - 1) < 1e-5 for r in steps)
-    assert all(r["lag/kl"] < 1e-8 and r["lag/kl_token"] < 1e-8 for r in steps)  # (the lag, per completion and token)
-    # (k = 0: the generator waits while the learner trains, and its idle time counts that wait)
-    idle_seconds = steps[-1]["idle/generator_fraction"] * steps[-1]["time/elapsed"]
-    assert idle_seconds > 0.8 * sum(r["time/training"] for r in steps[:-1]), steps
-
-
-def test_ctrl_c_stops_the_stream(chains_dir, tmp_path):
-    process = start_stream(chains_dir, tmp_path, "--max_staleness", "4", "--stale_policy", "drop",
-                           "--total_episodes", "100000")
-    children = wait_for_training(process, str(tmp_path), step_metric="staleness/mean")
-    os.killpg(process.pid, signal.SIGINT)  # what a terminal does: SIGINT to the whole foreground group
-    assert "interrupted" in stopped(process, 130, children)
+# k = 0, a dead engine and Ctrl-C: tests/test_engines.py, with two engines
 
 
 def test_every_tokens_log_prob_is_its_own_versions(chains_dir, tmp_path):

@@ -1,0 +1,182 @@
+"""fully_async_grpo.py with several vLLM engines (--num_generators) and engines on two nodes (--generator_nodes):
+the shared admission record's compare-and-set under racing processes, the staleness bound and the group accounting
+with two real engines (pace and head, draining and in flight), the weights reaching the second node's engine exactly,
+and the faults: an engine killed on either node, Ctrl-C, a G that cannot be served."""
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from conftest import REPO, run_script
+from test_failures import STOPS_WITHIN, assert_all_gone, wait_for_training
+from test_fully_async import start_stream, stopped, stream_flags, stream_metrics
+
+import fully_async_grpo as fa
+from benchmarks import token_versions
+
+FOUR_STEPS = ("--total_episodes", "256")  # 4 steps of 16 groups of 4
+
+
+def claim_and_release(address: tuple, engine: int, loaded: int, rounds: int, out) -> None:
+    """One fake engine: `rounds` times, claim a group under version `loaded` and release it; report the indices and
+    places it got."""
+    go = dict(max_staleness=1000, groups_per_step=4, stale_policy="pace", max_in_flight=10**6, inflight_updates=False)
+    stream = fa.Stream(None, [], None, engine, fa.connect_record(*address), go=go, loaded=loaded)
+    got = []
+    for _ in range(rounds):
+        group = fa.claim_group(stream)
+        got.append((group, fa.release_group(stream, group, loaded)))
+    out.put(got)
+
+
+def test_the_record_never_gives_a_group_twice_under_racing_engines():
+    """Three processes claim and release 200 groups each on one real store as fast as they can: every index from 0 to
+    599 is claimed exactly once, every finishing place once, and the record ends with nothing running."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = ("127.0.0.1", server.port, "race/")
+    record = dist.PrefixStore("race/", server)
+    fa.open_admission(record, 0, fa.Args(rank=0))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=claim_and_release, args=(address, engine, engine, 200, out)) for engine in range(3)]
+    for worker in workers:
+        worker.start()
+    got = [pair for _ in workers for pair in out.get(timeout=120)]
+    for worker in workers:
+        worker.join(timeout=30)
+    assert sorted(group for group, _ in got) == list(range(600))
+    assert sorted(place for _, place in got) == list(range(600))
+    state = json.loads(record.get("admission"))
+    assert state["next"] == 600 and state["finished"] == 600 and state["running"] == {}
+
+
+def audit(out) -> list:
+    """Every group admitted (rollouts.jsonl: trained on, discarded, or in flight at the end) once: the indices
+    0 .. n - 1 each once, none lost, none twice; as many trained on and discarded as the steps counted."""
+    groups = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    assert sorted(g["index"] for g in groups) == list(range(len(groups))), "a group lost or taken twice"
+    steps, _ = stream_metrics(out)
+    taken = [g for g in groups if g["fate"] != "in flight at the end"]
+    assert len(taken) == sum(r["rollouts/accepted"] + r["rollouts/discarded"] for r in steps)
+    return taken
+
+
+@pytest.mark.parametrize("policy, inflight", [("pace", False), ("pace", True), ("head", False), ("head", True),
+                                              ("drop", False)])
+def test_two_engines_keep_the_bound_and_account_for_every_group(chains_dir, tmp_path, policy, inflight):
+    """G = 2, k = 2 (B = 16 groups, 4 steps): both engines sample; every group index is sampled once and either
+    trained on or discarded once (none lost, none twice); under `pace` no group trains more than 2 versions after
+    its oldest token was sampled, in flight too; under `head` draining is `pace`, and in flight only the sampler's
+    lead is bounded; `drop`, with room for 4 batches, discards what arrives staler and trains on nothing staler."""
+    flags = ["--inflight_updates"] if inflight else ["--max_in_flight", "64"] if policy == "drop" else []
+    result = run_script(*stream_flags(chains_dir, tmp_path, *FOUR_STEPS, "--num_generators", "2", "--record_rollouts",
+                                      "--stale_policy", policy, *flags), script="fully_async_grpo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    groups = audit(tmp_path)
+    trained = [g for g in groups if g["fate"] == "trained"]
+    assert len(trained) == 64 and (policy == "drop" or len(groups) == 64)
+    assert {g["engine"] for g in groups} == {0, 1}
+    steps, _ = stream_metrics(tmp_path)
+    assert all(r["staleness/max"] <= 2 for r in steps) or (policy, inflight) == ("head", True)
+    assert {"engine0/groups", "engine1/groups", "engine1/idle_fraction"} <= set(steps[-1])
+    assert steps[-1]["engine0/groups"] + steps[-1]["engine1/groups"] == len(groups)
+    assert policy != "drop" or steps[-1]["rollouts/discarded_total"] > 0
+    if inflight:  # (versions loaded mid-completion: the bound counts from each group's oldest token)
+        assert max(r["inflight/multi_version_fraction"] for r in steps) > 0
+
+
+def test_k_zero_with_two_engines_is_on_policy_and_one_killed_stops_the_run(chains_dir, tmp_path):
+    """G = 2, k = 0: every group trains on the version being trained (staleness exactly 0), as with one engine. Then
+    one of the two engines is killed: the learner stops within seconds with its error, and nothing is left."""
+    process = start_stream(chains_dir, tmp_path, "--max_staleness", "0", "--num_generators", "2",
+                           "--total_episodes", "100000")
+    children = wait_for_training(process, str(tmp_path), steps=3, step_metric="staleness/mean")
+    engines = [c for c in children if "multiprocessing.spawn" in " ".join(c.cmdline())]
+    assert len(engines) == 2
+    engines[1].kill()
+    stderr = stopped(process, 1, children)
+    assert "exited unexpectedly (exit code -9)" in stderr and "of engine" in stderr, stderr[-3000:]
+    steps, _ = stream_metrics(tmp_path)
+    assert all(r["staleness/max"] == 0 for r in steps)
+    assert all(abs(r["is/weight_mean"] - 1) < 1e-5 and abs(r["policy/ratio_mean"] - 1) < 1e-5 for r in steps)
+    assert all(r["lag/kl"] < 1e-8 and r["lag/kl_token"] < 1e-8 for r in steps)  # (the lag, per completion and token)
+    # (k = 0: the engines wait while the learner trains, and their idle time (the mean share) counts that wait)
+    idle_seconds = steps[-1]["idle/generator_fraction"] * steps[-1]["time/elapsed"]
+    assert idle_seconds > 0.8 * sum(r["time/training"] for r in steps[:-1]), steps
+
+
+def test_ctrl_c_stops_two_engines(chains_dir, tmp_path):
+    process = start_stream(chains_dir, tmp_path, "--max_staleness", "2", "--num_generators", "2",
+                           "--total_episodes", "100000")
+    children = wait_for_training(process, str(tmp_path), step_metric="staleness/mean")
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal does: SIGINT to the whole foreground group
+    assert "interrupted" in stopped(process, 130, children)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_two_nodes(chains_dir: str, out, *flags: str) -> list:
+    """Two torchrun launches on this machine, --nnodes 2, one learner each, each node hosting one engine: a job of
+    two nodes as a cluster runs it (their own process groups: a test signals each)."""
+    port, nodes = free_port(), []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                   "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   os.path.join(REPO, "fully_async_grpo.py"),
+                   *stream_flags(chains_dir, out, "--generator_nodes", "2", "--per_device_train_batch_size", "32",
+                                 *flags)]
+        nodes.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    return nodes
+
+
+def test_two_nodes_weights_reach_the_second_nodes_engine_exactly(chains_dir, tmp_path):
+    """Two nodes, one engine each, k = 2, pace: each new version reaches node 1's slots over torch.distributed
+    (gloo here) bit for bit: every token either engine sampled has its own version's log-prob (the audit of
+    benchmarks/token_versions.py), mislabelled by one version it does not; the bound holds across nodes, and every
+    group is accounted for."""
+    nodes = start_two_nodes(chains_dir, tmp_path, *FOUR_STEPS, "--record_rollouts")
+    outputs = [node.communicate(timeout=900) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    groups = audit(tmp_path)
+    assert {g["engine"] for g in groups} == {0, 1} and len(groups) == 64
+    steps, _ = stream_metrics(tmp_path)
+    assert all(r["staleness/max"] <= 2 for r in steps)
+    assert max(s[0][0] for g in groups if g["engine"] == 1 for s in g["spans"]) >= 1  # (node 1 loaded a version)
+    gaps = token_versions.token_gaps(str(tmp_path))
+    assert len(gaps["engine1"]) > 100 and gaps["engine1"].max() < token_versions.TOLERANCE
+    assert gaps["engine0"].max() < token_versions.TOLERANCE
+    mislabelled = token_versions.token_gaps(str(tmp_path), mislabel=1)
+    assert (mislabelled["engine1"] > token_versions.TOLERANCE).float().mean() > 0.2
+
+
+def test_an_engine_killed_on_the_second_node_stops_both(chains_dir, tmp_path):
+    """Node 1's engine dies: both nodes exit within seconds, node 1's learner with the engine's error, and nothing
+    either started is left."""
+    import psutil
+
+    nodes = start_two_nodes(chains_dir, tmp_path, "--total_episodes", "100000")
+    deadline = time.time() + 600
+    while open(tmp_path / "metrics.jsonl").read().count('"staleness/mean"') < 2 if (
+            tmp_path / "metrics.jsonl").exists() else True:
+        assert time.time() < deadline and all(node.poll() is None for node in nodes)
+        time.sleep(0.5)
+    trees = [psutil.Process(node.pid).children(recursive=True) for node in nodes]
+    engine = next(c for c in trees[1] if "multiprocessing.spawn" in " ".join(c.cmdline()))
+    engine.kill()
+    killed_at = time.time()
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert time.time() - killed_at < STOPS_WITHIN
+    assert all(node.returncode != 0 for node in nodes)
+    assert "of engine 1 exited unexpectedly (exit code -9)" in outputs[1][1], outputs[1][1][-3000:]
+    assert_all_gone([p for tree in trees for p in tree])
