@@ -442,7 +442,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                            max_tokens=args.response_length, max_staleness=args.max_staleness,
                            groups_per_step=args.groups_per_step, stale_policy=args.stale_policy,
                            max_in_flight=args.max_in_flight, inflight_updates=args.inflight_updates,
-                           kv_on_update=args.kv_on_update))
+                           kv_on_update=args.kv_on_update, engine_room=-(-args.max_in_flight // args.num_engines)))
     while version < args.num_steps:
         # 1. ASYNC: take B groups from the stream, each as it finished: (drop) a group more than k versions older
         # than the learner is discarded; (pace) none can be; (head) it is kept
@@ -1063,9 +1063,11 @@ def admissible(stream: Stream) -> bool:
 
 def bound_allows(stream: Stream, state: dict, taken: int) -> bool:
     """can_admit, for this engine, with the next group's index, the groups in the stream and the oldest version any
-    engine's running group was admitted under (this engine's loaded one if older), from the record."""
+    engine's running group was admitted under (this engine's loaded one if older), from the record; and this
+    engine's share of the stream's room (backpressure per engine: the first engine to look must not take it all)."""
     oldest = min([stream.loaded, *map(int, state["running"])])
-    return can_admit(stream.go, state["next"], state["next"] - taken, stream.loaded, oldest, load_due(stream))
+    return len(stream.running) < stream.go["engine_room"] and can_admit(
+        stream.go, state["next"], state["next"] - taken, stream.loaded, oldest, load_due(stream))
 
 
 def claim_group(stream: Stream) -> Optional[int]:

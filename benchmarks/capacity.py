@@ -18,11 +18,15 @@ The simulation then runs the stream engine step by engine step, with the script'
 admission under `pace`, `head` or `drop`, drain-then-reload or in-flight loads (under `recompute` a load in flight
 re-reads every running sequence's prefix: f a token), the learner taking groups in the order they finish,
 discarding (drop) what is staler than k, and taking --num_mini_batches m optimizer steps a batch (d each). A
-generator share s scales the pilots' rates linearly (the pilots: one core each, s = 1/2).
+generator share s scales the pilots' rates linearly (the pilots: one core each, s = 1/2). G engines
+(--num_generators) act in the order of their clocks under the shared bound, each at its share of the machine.
+Then, beside the checks: G = 1 against G = 2 on this machine, seeds back to back (predicted and measured), and the
+split of --gpus GPUs between engines and learners for a step whose scale --generation_seconds and
+--training_seconds give (default: rho-1b on GSM8k, the paper's step), the pilots giving its shape.
 What it cannot tell: learning. The lengths are the pilots' policy's; a policy that learns to write longer or
 shorter changes them, and nothing here says whether a staleness hurts the objective (benchmarks/fully_async.py).
 
-    python benchmarks/capacity.py            # the pilots, the grid, the design search, five runs checked: ~10 min
+    python benchmarks/capacity.py            # the pilots, the grid, the design search, the runs checked: ~20 min
     python benchmarks/capacity.py --quick    # short pilots and one run checked: checks the tool, measures little
 """
 import bisect
@@ -67,6 +71,8 @@ class Args:
     """more flags for every fully_async_grpo.py run, after its own (on GPUs: --script_flags="--model rho-1b")"""
     quick: bool = False
     """6-step pilots and one 6-step run checked: checks the tool, measures little"""
+    engine_seeds: int = 3
+    """seeds of the G = 1 against G = 2 runs (0: skip them; --quick skips them)"""
     gpus: int = 8
     """the split table: GPUs to share between engines and learners"""
     generation_seconds: float = 12.2
@@ -180,6 +186,7 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
     go = dict(max_staleness=k, groups_per_step=groups, stale_policy=setting.policy,
               max_in_flight=setting.room or (k + 1) * groups, inflight_updates=inflight)
     engines = [dict(clock=0.0, loaded=0, running={}, idle=0.0) for _ in range(setting.engines)]
+    engine_room = -(-go["max_in_flight"] // setting.engines)  # (each engine's share of the room, as the script's)
     next_group, finished, published = 0, [], [(0.0, 0, 0)]
     learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0)
     finish_times, multi_version = [], []  # (every group's, in order: the queue's depth when each version is published)
@@ -201,7 +208,8 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
         still_running = [g["version"] for e in engines for g in e["running"].values()]
         still_running += [g["version"] for t, _, g in finished if t > clock]  # (ended at a later clock)
         oldest = min([engine["loaded"], *still_running])
-        while can_admit(go, next_group, next_group - taken, engine["loaded"], oldest, newest > engine["loaded"]):
+        while len(running) < engine_room and can_admit(go, next_group, next_group - taken, engine["loaded"], oldest,
+                                                       newest > engine["loaded"]):
             prompt, lengths = rng.choice(rates["groups"])
             lengths = [min(n, setting.max_length) for n in lengths]
             running[next_group] = dict(version=engine["loaded"], prompt=prompt, lengths=lengths, left=lengths,
@@ -209,8 +217,8 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
             clock += rates["f"] * prompt / speed  # (its prompt read once)
             next_group += 1
         if not running:  # idle until the learner publishes, or another engine's group ends (the bound may move)
-            upcoming = [t for t, _, _ in published if t > clock]
-            upcoming += [e["clock"] for e in engines if e is not engine and e["running"]]
+            upcoming = [t for t, _, _ in published if t > clock] + [t for t, _, _ in finished if t > clock]
+            upcoming += [e["clock"] for e in engines if e is not engine and (e["running"] or e["clock"] > clock)]
             if not upcoming:
                 raise RuntimeError(f"the stream deadlocks at {setting}")
             wake = max(min(upcoming), clock + 1e-9)
@@ -367,10 +375,6 @@ CHECKED = {  # name: (groups a step: the runs' or 4, flags, the simulation's set
     "B = 4, k = 2, drain then reload": (4, ("--max_staleness", "2"), dict(k=2)),
     "B = 4, k = 2, head, in flight": (4, ("--max_staleness", "2", "--stale_policy", "head", "--inflight_updates"),
                                       dict(k=2, policy="head", inflight=True)),
-    # two engines and the learner unpinned on the 2 cores: three processes, ~2/3 of a core each while all are busy
-    # (a static share: one side waiting gives the others more, which the model does not count)
-    "G = 2, k = 2, pace": (None, ("--max_staleness", "2", "--num_generators", "2"),
-                           dict(k=2, engines=2, share=2 / 3)),
 }
 
 
@@ -397,6 +401,34 @@ def check(rates: dict, args: Args) -> dict:
         print(f"  {name:<34} model  {line(model)}\n  {'':<34} real   {line(real)}\n  {'':<34} error  {line(error)}")
         pairs[name] = (model, real)
     return pairs
+
+
+def check_engines(rates: dict, args: Args) -> None:
+    """G = 1 against G = 2 on this machine (k = 2, pace, B = --groups), predicted and measured, --engine_seeds seeds
+    each, the two run back to back for each seed. One engine: a core each, as the pilots. Two: the engines and the
+    learner unpinned on the 2 cores, three processes, modelled as 2/3 of a core each (a static share: while one
+    waits the others get more, which the model does not count)."""
+    settings = {1: (Setting(2, args.groups, steps=args.check_steps), ()),
+                2: (Setting(2, args.groups, steps=args.check_steps, engines=2, share=2 / 3),
+                    ("--num_generators", "2"))}
+    seconds = {1: [], 2: []}
+    for seed in range(1, args.engine_seeds + 1):
+        for engines, (_, flags) in settings.items():
+            steps = run(f"G{engines}_k2_pace_seed{seed}", args, args.check_steps, args.groups, "--max_staleness",
+                        "2", "--seed", str(seed), *flags)
+            seconds[engines].append(measured(steps)["seconds_a_step"])
+    print(f"\nG engines on this machine (k = 2, pace, B = {args.groups}, {args.check_steps} steps, seeds 1-"
+          f"{args.engine_seeds}, back to back; error: (measured - predicted) / measured):")
+    for engines, (setting, _) in settings.items():
+        model, real = predicted(rates, setting)["seconds_a_step"], seconds[engines]
+        mean, spread = statistics.mean(real), statistics.stdev(real) if len(real) > 1 else 0.0
+        print(f"  G = {engines}: predicted {model:.3f} s a step, measured {mean:.3f} +- {spread:.3f} "
+              f"({', '.join(f'{x:.3f}' for x in real)}), error {(mean - model) / mean:+.1%}")
+    ratio = [two / one for one, two in zip(seconds[1], seconds[2])]
+    model = [predicted(rates, settings[engines][0])["seconds_a_step"] for engines in (1, 2)]
+    print(f"  G = 2 / G = 1, seconds a step: predicted {model[1] / model[0]:.2f}, "
+          f"measured {statistics.mean(ratio):.2f} +- {statistics.stdev(ratio) if len(ratio) > 1 else 0.0:.2f} "
+          "(paired by seed)")
 
 
 def report_split(rates: dict, args: Args) -> None:
@@ -477,5 +509,7 @@ if __name__ == "__main__":
     report_grid(rates, args)
     design(rates)
     report_flat_steps(rates)
+    if args.engine_seeds and not args.quick:
+        check_engines(rates, args)
     report_split(rates, args)
     plot(check(rates, args), os.path.join(args.plot_dir, "capacity.png"))

@@ -707,7 +707,7 @@ def inflight_reload(device: torch.device, num_generators: int = 1) -> str:
                                 temperature=args.temperature, max_tokens=args.response_length,
                                 max_staleness=args.max_staleness, groups_per_step=args.groups_per_step,
                                 stale_policy="pace", max_in_flight=args.max_in_flight, inflight_updates=True,
-                                kv_on_update="recompute"))
+                                kv_on_update="recompute", engine_room=-(-args.max_in_flight // num_generators)))
         groups.append(fa.collect(engines, args))  # the others are mid-generation now
         record.set("taken", "1")  # (the stream then fills, and stops)
         fa.submit(engines, dict(kind="weights", version=1, slot=1))

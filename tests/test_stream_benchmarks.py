@@ -79,6 +79,27 @@ def test_the_capacity_model_worked_by_hand():
     assert behaviour["seconds_a_step"] == pytest.approx(0.2 + 0.001 * padded, rel=0.05)
 
 
+def test_the_capacity_model_with_two_engines_worked_by_hand():
+    """Generation the slower side, an engine step costing 1 ms a running sequence (b) and nothing else: a step's 64
+    completions of 10 tokens cost 0.64 s on one engine. Two engines of the same speed (each a GPU of its own),
+    each holding at most half the stream's room: under `drop` each samples half, 0.32 s a step (a version's load
+    waits for the engine's own groups only). Under `pace` no: an engine that has loaded a newer version may not
+    admit while the other's older groups run (the bound counts the oldest version running anywhere), so it idles,
+    and two engines do not halve the step (the simulation raises if a group passes k)."""
+    rates = dict(a=0.0, b=0.001, c=0.0, f=0.0, d=0.001, e=0.0, p=0.0, groups=[(20, [10] * 4)], num_samples=4)
+
+    def simulate(engines: int, policy: str) -> dict:
+        return capacity.simulate(rates, capacity.Setting(k=2, groups=16, steps=40, engines=engines, policy=policy,
+                                                         engine_speed=1.0, learner_speed=1.0))
+
+    assert simulate(1, "pace")["seconds_a_step"] == pytest.approx(0.64, rel=0.02)
+    assert simulate(1, "drop")["seconds_a_step"] == pytest.approx(0.64, rel=0.02)
+    drop, pace = simulate(2, "drop"), simulate(2, "pace")
+    assert drop["seconds_a_step"] == pytest.approx(0.32, rel=0.05) and drop["generator_idle"] < 0.05
+    assert pace["seconds_a_step"] > 1.5 * drop["seconds_a_step"] and pace["generator_idle"] > 0.3
+    assert pace["staleness"] <= 2 and drop["discarded"] == 0
+
+
 def test_padded_tokens_are_what_the_learner_computes():
     """Each micro-batch runs at its longest prompt plus its longest completion: two groups of two completions, a
     short group (prompt 10, completions 1 and 3) and a long one (prompt 20, completions 5 and 9): one micro-batch of
@@ -94,6 +115,7 @@ def test_capacity_quick(chains_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for line in ("the pilots (k = 0, B = 4, 16, 6 steps each): an engine step a + b n",
                  "predicted, pace, drain then reload", "by the generator's share of the machine",
-                 "where in-flight loads should pay most", "predicted against measured", "model", "real", "error"):
+                 "where in-flight loads should pay most", "predicted against measured", "model", "real", "error",
+                 "the split of 8 GPUs (k = 2, pace", "the model's split: G ="):
         assert line in result.stdout, result.stdout
     assert (tmp_path / "capacity.png").stat().st_size > 1000
