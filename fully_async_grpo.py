@@ -337,6 +337,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     hosts_engines = local_rank == 0 and node < args.generator_nodes
     gpu = local_rank if shares_gpu0 or node >= args.generator_nodes else local_rank + args.num_generators
     device, generator_cores = core.learner_device(args.world_size, gpu, args.num_generators * args.generator_cores)
+    if device.type == "cpu" and generator_cores is None and args.num_generators > 1:  # too few cores to split: an
+        generator_cores = sorted(os.sched_getaffinity(0))  # engine on each in turn, and every process one thread (a
+        torch.set_num_threads(1)  # thread pool spinning on a shared core slowed a 2-core run 4x)
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     metrics_file = launch.start_run(args, cleanup, MAY_DIFFER_ON_RESUME)
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
@@ -352,6 +355,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     # the next group's index, the versions the running groups were admitted under, the finishing order, the groups
     # taken, each engine's loaded version
     admission_record, record_address = open_record(args)
+    cleanup.callback(lambda held: None, admission_record)  # (rank 0's may host the store: kept until engines stop)
     engines = []  # this node's engines, held by its leader (the other ranks get their messages from it)
     if hosts_engines:
         engines = start_engines(engine_kwargs(args, config, use_cuda), weight_layout, run.eos_id,
@@ -1254,7 +1258,8 @@ def start_engines(engine_kwargs: dict, weight_layout: list, stop_id: int, cores:
     for i, log_path in enumerate(logs):
         engine = node * args.num_generators + i
         kwargs = dict(engine_kwargs, **({"device_ids": [i]} if torch.cuda.is_available() and i else {}))
-        mine = cores[i * args.generator_cores: (i + 1) * args.generator_cores] if cores else None
+        mine = cores[i * args.generator_cores: (i + 1) * args.generator_cores] or [cores[i % len(cores)]] \
+            if cores else None
         requests = ctx.Queue()
         process = ctx.Process(target=generator_main, args=(
             kwargs, weight_layout, stop_id, requests, results, mine, run_tmp_dir, log_path))
