@@ -26,7 +26,7 @@ split of --gpus GPUs between engines and learners for a step whose scale --gener
 What it cannot tell: learning. The lengths are the pilots' policy's; a policy that learns to write longer or
 shorter changes them, and nothing here says whether a staleness hurts the objective (benchmarks/fully_async.py).
 
-    python benchmarks/capacity.py            # the pilots, the grid, the design search, the runs checked: ~20 min
+    python benchmarks/capacity.py            # the pilots, the grid, the design search, the runs checked: ~15 min
     python benchmarks/capacity.py --quick    # short pilots and one run checked: checks the tool, measures little
 """
 import bisect
@@ -426,9 +426,11 @@ def check_engines(rates: dict, args: Args) -> None:
               f"({', '.join(f'{x:.3f}' for x in real)}), error {(mean - model) / mean:+.1%}")
     ratio = [two / one for one, two in zip(seconds[1], seconds[2])]
     model = [predicted(rates, settings[engines][0])["seconds_a_step"] for engines in (1, 2)]
-    print(f"  G = 2 / G = 1, seconds a step: predicted {model[1] / model[0]:.2f}, "
-          f"measured {statistics.mean(ratio):.2f} +- {statistics.stdev(ratio) if len(ratio) > 1 else 0.0:.2f} "
-          "(paired by seed)")
+    spread = statistics.stdev(ratio) if len(ratio) > 1 else float("nan")
+    t = (statistics.mean(ratio) - 1) / (spread / len(ratio) ** 0.5)  # (against 1: no difference)
+    print(f"  G = 2 / G = 1, seconds a step: predicted {model[1] / model[0]:.2f}, measured "
+          f"{statistics.mean(ratio):.2f} +- {spread:.2f} (paired by seed; t = {t:.1f} on {len(ratio) - 1} degrees "
+          "of freedom)")
 
 
 def report_split(rates: dict, args: Args) -> None:
