@@ -352,8 +352,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     with torch.device("meta"):  # the buffer's layout needs the config only, no weights
         weight_layout = weight_table(lora.add_adapter(AutoModelForCausalLM.from_config(config), args))
     # ASYNC: the admission record, one for all engines (compare-and-set on torchrun's store, or one rank 0 hosts):
-    # the next group's index, the versions the running groups were admitted under, the finishing order, the groups
-    # taken, each engine's loaded version
+    # the next group's index, the versions the running groups were admitted under, the finishing order, each
+    # engine's loaded version
     admission_record, record_address = open_record(args)
     cleanup.callback(lambda held: None, admission_record)  # (rank 0's may host the store: kept until engines stop)
     engines = []  # this node's engines, held by its leader (the other ranks get their messages from it)
@@ -421,6 +421,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
+    def prompts_of(groups: list) -> list:  # (each group's prompt, by its index: --record_rollouts)
+        return [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in groups]
+
     def evaluate_now(final: bool = False, whole: bool = False) -> None:  # ASYNC: awaited, groups arriving
         # meanwhile kept for the step; whole: every test prompt, as the final evaluation's (final: and saved)
         submit(engines[:1] if args.rank == 0 else [], dict(  # (engine 0 evaluates; the others stream on)
@@ -442,11 +445,12 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     training_start = stream["start"] = time.time()
     open_admission(admission_record, next_group, args)
     submit(engines, dict(kind="go", first_group=next_group, version=published, slot=published % len_slots(args),
-                           seed=args.seed, n=args.num_samples, temperature=args.temperature,
-                           max_tokens=args.response_length, max_staleness=args.max_staleness,
-                           groups_per_step=args.groups_per_step, stale_policy=args.stale_policy,
-                           max_in_flight=args.max_in_flight, inflight_updates=args.inflight_updates,
-                           kv_on_update=args.kv_on_update, engine_room=-(-args.max_in_flight // args.num_engines)))
+                         seed=args.seed, n=args.num_samples, temperature=args.temperature,
+                         max_tokens=args.response_length, max_staleness=args.max_staleness,
+                         groups_per_step=args.groups_per_step,
+                         stale_policy=args.stale_policy, max_in_flight=args.max_in_flight,
+                         inflight_updates=args.inflight_updates, kv_on_update=args.kv_on_update,
+                         engine_room=-(-args.max_in_flight // args.num_engines)))  # (each engine's share of the room)
     while version < args.num_steps:
         # 1. ASYNC: take B groups from the stream, each as it finished: (drop) a group more than k versions older
         # than the learner is discarded; (pace) none can be; (head) it is kept
@@ -455,8 +459,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         took = time.time() - step_start
         if args.record_rollouts:  # (and the discarded groups, marked: every group taken is accounted for)
             for groups, fate in ((batch, "trained"), (discarded, "discarded")):
-                record_groups(groups, [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in groups],
-                              fate, args)
+                record_groups(groups, prompts_of(groups), fate, args)
 
         # 2. ALGO: grade this rank's completions; each one's advantage is relative to its group's
         train_start = time.time()
@@ -489,9 +492,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         write_weight_snapshot(policy, weight_slots[slot] if args.rank == 0 else None, weight_layout)
         if leaders is not None:
             torch.distributed.broadcast(weight_slots[slot], src=0, group=leaders)
-        if args.rank == 0:
-            admission_record.set("taken", str(stream["taken"]))
-        submit(engines, dict(kind="weights", version=version, slot=slot))
+        submit(engines, dict(kind="weights", version=version, slot=slot, taken=stream["taken"],
+                             taken_from={e: engine["groups"] for e, engine in stream["engines"].items()}))
         stream["published_at"][version] = time.time()
         if args.record_rollouts:
             record_version(weight_slots, weight_layout, version, args)
@@ -519,8 +521,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
     if args.record_rollouts:  # (the audit accounts for every group admitted: those still in flight too)
         leftovers = take_leftovers(admission_record, engines, stream, args)
-        record_groups(leftovers, [train_prompts[prompt_order[g["index"] % len(prompt_order)]] for g in leftovers],
-                      "in flight at the end", args)
+        record_groups(leftovers, prompts_of(leftovers), "in flight at the end", args)
     evaluate_now(final=True)  # the whole test split, with the last weights
     progress.close()
     if args.rank == 0:
@@ -647,7 +648,7 @@ def take_leftovers(admission_record, engines: list, stream: dict, args: Args) ->
     group still in the stream, in finishing order (their number rank 0 reads from the record)."""
     count = [0]
     if args.rank == 0:
-        admission_record.set("taken", str(-10**9))
+        admission_record.set("closed", "1")
         while (state := json.loads(admission_record.get("admission")))["running"]:
             check_engines(admission_record, engines)
             time.sleep(0.05)
@@ -949,6 +950,9 @@ class Stream:
     go: Optional[dict] = None  # the learner's "go": the stream's settings (None: before training)
     loaded: int = 0  # the version in the engine (0: the SFT weights)
     newest: Optional[tuple] = None  # (version, slot) of the newest version published
+    taken: int = 0  # groups the learner has taken (it says so with each version)
+    claimed: int = 0  # groups this engine has admitted
+    taken_from_me: int = 0  # of them, the learner has taken (it says so with each version)
     running: dict = field(default_factory=dict)  # request id -> (group, version admitted under, admitted at)
     eval_request: Optional[dict] = None  # an evaluation waiting for the engine to drain
     loads: list = field(default_factory=list)  # (version, start, end) since the last group sent
@@ -1001,7 +1005,7 @@ def take_messages(requests, stream: Stream) -> bool:
         mark_idle(stream, True)
     while True:
         try:
-            message = requests.get(timeout=0.05) if block else requests.get_nowait()
+            message = requests.get(timeout=0.01) if block else requests.get_nowait()
         except queue.Empty:
             if block and not admissible(stream):  # (another engine's group ending may free the bound: polled)
                 continue
@@ -1010,12 +1014,13 @@ def take_messages(requests, stream: Stream) -> bool:
         if message is None:
             return False
         if message["kind"] == "go":  # training begins (the generator's idle clock too)
-            stream.go = message
+            stream.go, stream.taken = message, message["first_group"]
             mark_idle(stream, True)
             if message["version"] > stream.loaded:  # (resumed: the checkpoint's weights, in their slot)
                 stream.newest = (message["version"], message["slot"])
         elif message["kind"] == "weights":
-            stream.newest = (message["version"], message["slot"])
+            stream.newest, stream.taken = (message["version"], message["slot"]), message["taken"]
+            stream.taken_from_me = message["taken_from"].get(stream.engine, 0)
         elif message["kind"] == "eval":
             stream.eval_request = message
         else:
@@ -1065,13 +1070,17 @@ def admissible(stream: Stream) -> bool:
     return stream.go is not None and bound_allows(stream, *read_record(stream.record)[1:])
 
 
-def bound_allows(stream: Stream, state: dict, taken: int) -> bool:
-    """can_admit, for this engine, with the next group's index, the groups in the stream and the oldest version any
-    engine's running group was admitted under (this engine's loaded one if older), from the record; and this
-    engine's share of the stream's room (backpressure per engine: the first engine to look must not take it all)."""
+def bound_allows(stream: Stream, state: dict, closed: bool) -> bool:
+    """can_admit, for this engine, with the next group's index and the oldest version any engine's running group
+    was admitted under (this engine's loaded one if older), from the record, and the groups in the stream by the
+    learner's count with the newest version this engine knows of (as with one engine: the room frees with the
+    version, which it loads before it admits more, draining); and this engine's share of the stream's room, the
+    groups it admitted that the learner has not taken (backpressure per engine: an engine whose groups the learner
+    takes gets room back; the first to look cannot take it all). Nothing once admission is closed."""
     oldest = min([stream.loaded, *map(int, state["running"])])
-    return len(stream.running) < stream.go["engine_room"] and can_admit(
-        stream.go, state["next"], state["next"] - taken, stream.loaded, oldest, load_due(stream))
+    mine = stream.claimed - stream.taken_from_me  # (this engine's groups in the stream)
+    return not closed and mine < stream.go["engine_room"] and can_admit(
+        stream.go, state["next"], state["next"] - stream.taken, stream.loaded, oldest, load_due(stream))
 
 
 def claim_group(stream: Stream) -> Optional[int]:
@@ -1080,13 +1089,14 @@ def claim_group(stream: Stream) -> Optional[int]:
     retry); None if the bound does not allow. The check, the index and the running count are one atomic step, so
     no engine admits against a record another has changed (docs/fully_async.md: why this keeps `pace`'s bound)."""
     while True:
-        raw, state, taken = read_record(stream.record)
-        if not bound_allows(stream, state, taken):
+        raw, state, closed = read_record(stream.record)
+        if not bound_allows(stream, state, closed):
             return None
         group, version = state["next"], str(stream.loaded)
         state.update(next=group + 1, by=f"{stream.engine}+{group}")  # (by: each write's content is unique)
         state["running"][version] = state["running"].get(version, 0) + 1
         if write_record(stream.record, raw, state):
+            stream.claimed += 1
             return group
 
 
@@ -1104,9 +1114,9 @@ def release_group(stream: Stream, group: int, version: int) -> int:
             return place
 
 
-def read_record(record) -> tuple[bytes, dict, int]:
-    raw, taken = record.multi_get(["admission", "taken"])
-    return raw, json.loads(raw), int(taken)
+def read_record(record) -> tuple[bytes, dict, bool]:
+    raw, closed = record.multi_get(["admission", "closed"])
+    return raw, json.loads(raw), closed == b"1"
 
 
 def write_record(record, raw: bytes, state: dict) -> bool:
@@ -1350,10 +1360,11 @@ def open_record(args: Args) -> tuple:
 
 def open_admission(record, first_group: int, args: Args) -> None:
     """Rank 0 sets the record before "go": no group running, the next one `first_group` (resumed: the groups
-    taken), none finished (an engine reading it first waits for it: the store's reads wait for a key)."""
+    taken), none finished, admission open (an engine reading it first waits for it: the store's reads wait for a
+    key)."""
     if args.rank == 0:
         record.set("admission", json.dumps(dict(next=first_group, running={}, finished=0, by="")))
-        record.set("taken", str(first_group))
+        record.set("closed", "0")  # (take_leftovers closes admission after the last step)
 
 
 def leaders_group(hosts_engines: bool, args: Args):

@@ -709,8 +709,8 @@ def inflight_reload(device: torch.device, num_generators: int = 1) -> str:
                                 stale_policy="pace", max_in_flight=args.max_in_flight, inflight_updates=True,
                                 kv_on_update="recompute", engine_room=-(-args.max_in_flight // num_generators)))
         groups.append(fa.collect(engines, args))  # the others are mid-generation now
-        record.set("taken", "1")  # (the stream then fills, and stops)
-        fa.submit(engines, dict(kind="weights", version=1, slot=1))
+        fa.submit(engines, dict(kind="weights", version=1, slot=1, taken=1, taken_from={0: 1}))  # (the stream then
+        # fills, and stops)
         while len(groups) < args.max_in_flight:
             groups.append(fa.collect(engines, args))
     finally:

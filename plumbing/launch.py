@@ -54,6 +54,12 @@ def run(main: Callable, args) -> None:
             except KeyboardInterrupt:
                 tqdm.write("interrupted: shutting down the generator", file=sys.stderr)
                 code = 130
+            except RuntimeError as error:  # a collective whose peer process exited (another node's rank stopped)
+                if not (dist.is_initialized() and any(lost in str(error) for lost in PEER_LOST)):
+                    raise
+                message = (f"error: another learner process stopped (its own error is on its node's console), and "
+                           f"this one lost its connection to it: {str(error).splitlines()[0][:300]}")
+                code = 1
         if message:  # after the clean-up (the progress bar closed): the last lines the user reads
             print(message, file=sys.stderr, flush=True)
     finally:  # on every path, a flag's SystemExit and out-of-memory errors included
@@ -62,6 +68,10 @@ def run(main: Callable, args) -> None:
             dist.destroy_process_group()
     if code:
         raise SystemExit(code)
+
+
+# How gloo reports a collective whose peer process has exited (torch 2.x)
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 
 
 def on_sigterm(save_every: int, *_) -> None:
