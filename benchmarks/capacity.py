@@ -185,10 +185,11 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
     k, groups, inflight = setting.k, setting.groups, setting.inflight
     go = dict(max_staleness=k, groups_per_step=groups, stale_policy=setting.policy,
               max_in_flight=setting.room or (k + 1) * groups, inflight_updates=inflight)
-    engines = [dict(clock=0.0, loaded=0, running={}, idle=0.0) for _ in range(setting.engines)]
+    engines = [dict(index=i, clock=0.0, loaded=0, running={}, idle=0.0, claimed=0) for i in range(setting.engines)]
     engine_room = -(-go["max_in_flight"] // setting.engines)  # (each engine's share of the room, as the script's)
     next_group, finished, published = 0, [], [(0.0, 0, 0)]
-    learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0)
+    learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0, taken_from={},
+                   taken_from_at={0: {}})  # (each engine's groups taken, as the learner sends them with a version)
     finish_times, multi_version = [], []  # (every group's, in order: the queue's depth when each version is published)
     while learner["version"] < setting.steps:
         engine = min(engines, key=lambda e: e["clock"])
@@ -208,12 +209,14 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
         still_running = [g["version"] for e in engines for g in e["running"].values()]
         still_running += [g["version"] for t, _, g in finished if t > clock]  # (ended at a later clock)
         oldest = min([engine["loaded"], *still_running])
-        while len(running) < engine_room and can_admit(go, next_group, next_group - taken, engine["loaded"], oldest,
-                                                       newest > engine["loaded"]):
+        mine = engine["claimed"] - learner["taken_from_at"][newest].get(engine["index"], 0)  # (its groups waiting)
+        while mine < engine_room and can_admit(go, next_group, next_group - taken, engine["loaded"], oldest,
+                                               newest > engine["loaded"]):
             prompt, lengths = rng.choice(rates["groups"])
             lengths = [min(n, setting.max_length) for n in lengths]
             running[next_group] = dict(version=engine["loaded"], prompt=prompt, lengths=lengths, left=lengths,
-                                       versions={engine["loaded"]})
+                                       versions={engine["loaded"]}, engine=engine["index"])
+            engine["claimed"], mine = engine["claimed"] + 1, mine + 1
             clock += rates["f"] * prompt / speed  # (its prompt read once)
             next_group += 1
         if not running:  # idle until the learner publishes, or another engine's group ends (the bound may move)
@@ -260,6 +263,7 @@ def learner_takes(learner: dict, finished: list, clock: float, rates: dict, sett
     (a group staler than k discarded), train, publish the next version."""
     while finished and finished[0][0] <= clock:
         finish, _, group = finished.pop(0)
+        learner["taken_from"][group["engine"]] = learner["taken_from"].get(group["engine"], 0) + 1
         too_stale = learner["version"] - group["version"] > setting.k  # (head: kept, as the script keeps it)
         if too_stale and setting.policy == "pace":
             raise RuntimeError("a group staler than k under pace: the simulation broke the bound")
@@ -276,6 +280,7 @@ def learner_takes(learner: dict, finished: list, clock: float, rates: dict, sett
         learner["staleness"] += [learner["version"] - g["version"] for _, g in learner["batch"]]
         learner["version"] += 1
         learner["batch"] = []
+        learner["taken_from_at"][learner["version"]] = dict(learner["taken_from"])
         published.append((learner["free_at"], learner["version"],
                           learner["version"] * setting.groups + learner["discarded"]))
 
