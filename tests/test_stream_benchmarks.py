@@ -83,9 +83,10 @@ def test_the_capacity_model_with_two_engines_worked_by_hand():
     """Generation the slower side, an engine step costing 1 ms a running sequence (b) and nothing else: a step's 64
     completions of 10 tokens cost 0.64 s on one engine. Two engines of the same speed (each a GPU of its own),
     each holding at most half the stream's room: under `drop` each samples half, 0.32 s a step (within 10%: a
-    version's load waits for the engine's own groups only, and the two engines' waves do not align exactly). Under `pace` no: an engine that has loaded a newer version may not
-    admit while the other's older groups run (the bound counts the oldest version running anywhere), so it idles,
-    and two engines do not halve the step (the simulation raises if a group passes k)."""
+    version's load waits for the engine's own groups only, and the two engines' waves do not align exactly). Under
+    `pace` no: an engine that has loaded a newer version may not admit while the other's older groups run (the
+    bound counts the oldest version running anywhere), so it idles, and two engines do not halve the step (the
+    simulation raises if a group passes k)."""
     rates = dict(a=0.0, b=0.001, c=0.0, f=0.0, d=0.001, e=0.0, p=0.0, groups=[(20, [10] * 4)], num_samples=4)
 
     def simulate(engines: int, policy: str) -> dict:
