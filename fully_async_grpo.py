@@ -541,10 +541,7 @@ def take_groups(engines: list, stream: dict, version: int, args: Args) -> tuple[
     message reported it) and version."""
     batch, discarded, wait_start = [], [], time.time()
     while len(batch) < args.groups_per_step:
-        while stream["next_place"] not in stream["arrived"]:  # (a group from another engine may arrive first)
-            arrive(collect(engines, args), stream)
-        group = stream["arrived"].pop(stream["next_place"])
-        stream["next_place"] += 1
+        group = next_finished(engines, stream, args)
         stream["taken"] += 1
         engine = stream["engines"].setdefault(group["engine"], dict(groups=0, idle=0.0, loaded=0, lags=[]))
         engine.update(groups=engine["groups"] + 1, idle=group["idle_seconds"], loaded=group["loaded"])
@@ -565,6 +562,14 @@ def take_groups(engines: list, stream: dict, version: int, args: Args) -> tuple[
     stream["accepted"] += len(batch)
     stream["discarded"] += len(discarded)
     return batch, discarded
+
+
+def next_finished(engines: list, stream: dict, args: Args) -> dict:
+    """The next group in the record's finishing order (one from another engine or node may arrive first: kept)."""
+    while stream["next_place"] not in stream["arrived"]:
+        arrive(collect(engines, args), stream)
+    stream["next_place"] += 1
+    return stream["arrived"].pop(stream["next_place"] - 1)
 
 
 def arrive(message: dict, stream: dict) -> None:
@@ -655,13 +660,7 @@ def take_leftovers(admission_record, engines: list, stream: dict, args: Args) ->
         count = [state["finished"] - stream["next_place"]]
     if args.world_size > 1:
         torch.distributed.broadcast_object_list(count, src=0)
-    leftovers = []
-    for _ in range(count[0]):
-        while stream["next_place"] not in stream["arrived"]:
-            arrive(collect(engines, args), stream)
-        leftovers.append(stream["arrived"].pop(stream["next_place"]))
-        stream["next_place"] += 1
-    return leftovers
+    return [next_finished(engines, stream, args) for _ in range(count[0])]
 
 
 def record_version(weight_slots: Optional[torch.Tensor], table: list, version: int, args: Args) -> None:
@@ -1307,7 +1306,8 @@ def check_engines(admission_record, engines: list) -> None:
     ends the wait."""
     if admission_record.check(["error"]):
         raise generator_io.GeneratorError(admission_record.get("error").decode())
-    generator_io.check_alive(engines)
+    if (death := generator_io.exited(engines)) is not None:
+        raise death
 
 
 def submit(engines: list, request: dict) -> None:

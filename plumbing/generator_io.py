@@ -78,32 +78,38 @@ def raise_error(message, rank: int, source: int = 0) -> dict:
 def receive_any(generators: list):
     """`receive` for several generators sharing one results queue (fully_async_grpo.py's engines): the
     next message any of them sent; the death of any is an error naming its engine."""
-    try:
-        return next((g.error for g in generators if g.error), None) or get(generators[0].results, generators)
-    except GeneratorError as error:
-        return error
+    sending_error = next((g.error for g in generators if g.error), None)
+    while sending_error is None and (message := poll(generators, timeout=0.5)) is None:
+        continue
+    return sending_error or message
 
 
-def poll(generators: list):
-    """`receive_any` without waiting: None when nothing has come (and every generator lives)."""
+def poll(generators: list, timeout: float = 0.0):
+    """The next message of generators sharing one results queue, waiting up to `timeout` seconds: None when
+    nothing has come and every generator lives; an error sent, or the death of one (naming its engine), as
+    a GeneratorError."""
+    results = generators[0].results
     try:
-        message = generators[0].results.get_nowait()
+        message = results.get(timeout=timeout) if timeout else results.get_nowait()
     except queue.Empty:
-        try:
-            check_alive(generators)
-        except GeneratorError:
-            return receive_any(generators)  # (its error, if it sent one before exiting, or its death)
-        return None
-    return GeneratorError("the generator process failed:\n" + message["traceback"]) if message["kind"] == "error" \
-        else message
+        if (death := exited(generators)) is None:
+            return None
+        try:  # it may have reported its error just before exiting
+            message = results.get(timeout=1.0)
+        except queue.Empty:
+            return death
+    if message["kind"] == "error":
+        return GeneratorError("the generator process failed:\n" + message["traceback"])
+    return message
 
 
-def check_alive(generators: list) -> None:
-    """An error naming the first generator that has exited."""
+def exited(generators: list) -> Optional[GeneratorError]:
+    """An error naming the first generator that has exited (None: all live)."""
     for g in generators:
         if not g.process.is_alive():
-            raise GeneratorError(f"the generator process{'' if g.engine is None else f' of engine {g.engine}'} "
-                                 f"exited unexpectedly (exit code {g.process.exitcode})")
+            return GeneratorError(f"the generator process{'' if g.engine is None else f' of engine {g.engine}'} "
+                                  f"exited unexpectedly (exit code {g.process.exitcode})")
+    return None
 
 
 def put(requests, request: dict, process) -> None:
@@ -118,19 +124,16 @@ def put(requests, request: dict, process) -> None:
 
 
 def get(results, process) -> dict:
-    """Take from the result queue, without hanging on a dead generator (`process`: its process, or the
-    Generators sharing the queue); re-raise its error."""
+    """Take from the result queue, without hanging on a dead generator; re-raise its error."""
     while True:
         try:
             message = results.get(timeout=0.5)
         except queue.Empty:
-            if all(p.process.is_alive() for p in process) if isinstance(process, list) else process.is_alive():
+            if process.is_alive():
                 continue
             try:  # it may have reported its error just before exiting
                 message = results.get(timeout=1.0)
             except queue.Empty:
-                if isinstance(process, list):
-                    check_alive(process)
                 raise GeneratorError(f"the generator process exited unexpectedly (exit code "
                                      f"{process.exitcode})") from None
         if message["kind"] == "error":
