@@ -36,10 +36,12 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +67,7 @@ SFT_STEPS, SFT_SEEDS, SFT_SNAPSHOTS = 90, 8, (85, 80, 75, 70)  # see build_tldr,
 PROXY_AGREEMENT = 0.8  # the proxy trains until it orders this share of held-out pairs as the gold model does
 WORLDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds")
 SHIPPED = {"tldr": os.path.join(WORLDS, "tldr-v3"), "gsm8k": os.path.join(WORLDS, "gsm8k-v2"),  # --tiny_dir's default
-           "chains": os.path.join(WORLDS, "chains-v1")}
+           "chains": os.path.join(WORLDS, "chains-v1"), "tools": os.path.join(WORLDS, "tools-v1")}
 CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks a world by hand
 NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every file)
     "tldr": ("world.json", "data/train.jsonl", "data/validation.jsonl", "sft/model.safetensors",
@@ -73,6 +75,7 @@ NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every 
     "gsm8k": ("world.json", "data/train.jsonl", "data/test.jsonl", "data/test_unseen_facts.jsonl",
               "sft/model.safetensors"),
     "chains": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
+    "tools": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
 }
 
 
@@ -142,8 +145,10 @@ def right_pad(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], eos_id: int, temperature: float, max_tokens: int) -> list[list[int]]:
-    """Completions (cut after EOS) with transformers' generate; temperature 0 is greedy."""
+def sample(model, prompts: list[list[int]], eos_id: int, temperature: float, max_tokens: int,
+           stops: tuple = ()) -> list[list[int]]:
+    """Completions (cut after EOS, or after the first of `stops`) with transformers' generate; temperature 0 is
+    greedy."""
     completions = []
     for i in range(0, len(prompts), 128):
         chunk = prompts[i: i + 128]
@@ -151,10 +156,11 @@ def sample(model, prompts: list[list[int]], eos_id: int, temperature: float, max
         ids = torch.tensor([[eos_id] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, eos_token_id=eos_id,
-                             pad_token_id=eos_id, **sampling)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                             eos_token_id=[eos_id, *stops], pad_token_id=eos_id, **sampling)
         for row in out[:, width:].tolist():
-            completions.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
+            ends = [row.index(stop) for stop in (eos_id, *stops) if stop in row]
+            completions.append(row[: min(ends) + 1] if ends else row)
     return completions
 
 
@@ -177,11 +183,12 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: fl
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     for step in range(1, steps + 1):
         batch = rng.sample(rows, batch_size)
-        queries, summaries = encode(tokenizer, [r["query"] for r in batch]), encode(
-            tokenizer, [r["reference_response"] for r in batch])
+        queries = encode(tokenizer, [r["query"] for r in batch])
+        summaries, trained = zip(*(response_ids(tokenizer, r) for r in batch))
         input_ids, mask = right_pad([q + s for q, s in zip(queries, summaries)], tokenizer.eos_token_id)
-        labels = torch.tensor([[-100] * len(q) + s + [-100] * (input_ids.shape[1] - len(q) - len(s))
-                               for q, s in zip(queries, summaries)])
+        labels = torch.tensor([[-100] * len(q) + [t if keep else -100 for t, keep in zip(s, k)]
+                               + [-100] * (input_ids.shape[1] - len(q) - len(s))
+                               for q, s, k in zip(queries, summaries, trained)])
         policy(input_ids=input_ids, attention_mask=mask, labels=labels).loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()
@@ -190,6 +197,20 @@ def train_sft(config, tokenizer, rows: list[dict], seed: int, steps: int, lr: fl
         if after_step is not None:
             after_step(step, policy)
     return policy.eval()
+
+
+def response_ids(tokenizer, row: dict) -> tuple[list[int], list[bool]]:
+    """A row's response ids and which of them train: `reference_response` whole, or `pieces`, (text, trained) pairs
+    each encoded on its own (the tool world: the policy's calls train, the tool's answers do not), so that the ids
+    join as an episode's do, a turn's sampled ids then the tool's, never re-tokenised together."""
+    if "pieces" not in row:
+        ids = encode(tokenizer, [row["reference_response"]])[0]
+        return ids, [True] * len(ids)
+    ids, trained = [], []
+    for text, keep in row["pieces"]:
+        piece = encode(tokenizer, [text])[0]
+        ids, trained = ids + piece, trained + [keep] * len(piece)
+    return ids, trained
 
 
 def choose_sft(config, tokenizer, train: list[dict], validation: list[dict], gold, progress,
@@ -448,6 +469,14 @@ def chains_world(tiny_dir: str) -> tuple[str, str, str]:
     world's hash."""
     tiny_dir = os.path.expanduser(tiny_dir)
     digest = check_world(tiny_dir, "chains")
+    return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data"), digest
+
+
+def tools_world(tiny_dir: str) -> tuple[str, str, str]:
+    """The chains-with-a-calculator world in `tiny_dir`, checked: the SFT policy's and the dataset's folders, and the
+    world's hash."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    digest = check_world(tiny_dir, "tools")
     return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data"), digest
 
 
@@ -816,16 +845,18 @@ def build_math_tokenizer(texts: list[str], vocab_size: int = 512):
     return tokenizer
 
 
-def train_math_sft(tokenizer, train: list[dict], width: int, lr: float, steps: int, progress):
-    """The math worlds' SFT policy (GSM8k miniature, chains): GPT-NeoX, `width` wide, 4 layers and heads, trained on
-    the worked solutions (the prompt masked), batches of 64, seed 0, reporting every 100 steps."""
+def train_math_sft(tokenizer, train: list[dict], width: int, lr: float, steps: int, progress, tools: bool = False):
+    """The math worlds' SFT policy (GSM8k miniature, chains, tools): GPT-NeoX, `width` wide, 4 layers and heads,
+    trained on the worked solutions (the prompt masked; `tools`: solved with the calculator, its answers masked),
+    batches of 64, seed 0, reporting every 100 steps."""
     from transformers import GPTNeoXConfig
 
     eos = tokenizer.eos_token_id
     config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=4, num_attention_heads=4,
                            intermediate_size=4 * width, max_position_embeddings=512, bos_token_id=eos,
                            eos_token_id=eos)
-    rows = [{"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
+    rows = [{"query": MATH_PROMPT.format(question=r["question"]), "pieces": [*tool_pieces(r), (EOS, True)]} if tools
+            else {"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
             for r in train]
 
     def every_100(step: int, _) -> None:
@@ -998,16 +1029,131 @@ def chain_report(policy, tokenizer, rows: list[dict]) -> dict:
             "sft_length_p99": lengths[int(0.99 * len(lengths))]}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The chains with a calculator (`agentic_grpo.py --model tiny`)
+# ---------------------------------------------------------------------------------------------------------------
+CALL, END_CALL = "<<", ">>"  # a call, "<<23 + 11>>": the policy stops at ">>", and the tool answers " = 34\n"
+TOOLS_SFT_STEPS = 900
+
+
+def calculator(expression: str) -> Optional[int]:
+    """The tool: `a + b` or `a - b` on whole numbers; None for anything else (a malformed call)."""
+    match = re.fullmatch(r"\s*(\d{1,4})\s*([+-])\s*(\d{1,4})\s*", expression)
+    if match is None:
+        return None
+    a, b = int(match[1]), int(match[3])
+    return a + b if match[2] == "+" else a - b
+
+
+def tool_answer(result: Optional[int]) -> str:
+    """What the tool appends after a call: its result, or an error the policy can read."""
+    return " = error\n" if result is None else f" = {result}\n"
+
+
+def tool_pieces(row: dict) -> list[tuple[str, bool]]:
+    """A chains problem's worked solution as a tool episode: (text, written by the policy) pieces, a call per step
+    and the tool's answer to it, then the final answer: " <<23 + 11>>", " = 34\n", "<<34 - 5>>", " = 29\n",
+    "#### 29"."""
+    pieces = []
+    for i, line in enumerate(row["answer"].split("\n")[:-1]):  # "23 + 11 = 34."
+        expression, result = line.rstrip(".").split(" = ")
+        pieces += [(f"{' ' * (i == 0)}{CALL}{expression}{END_CALL}", True), (tool_answer(int(result)), False)]
+    return pieces + [(row["answer"].split("\n")[-1], True)]
+
+
+def tool_episodes(policy, tokenizer, rows: list[dict], temperature: float = 0.0, max_turns: int = 16,
+                  max_tokens: int = 128) -> list[list[int]]:
+    """The policy solving `rows` with the calculator, with transformers' generate: each turn samples until a call
+    ends (or EOS), the tool's answer is appended as ids (the sampled ids are never re-encoded), until EOS, the turns
+    or the tokens run out. Returns each episode's ids after the prompt."""
+    end_call, eos = tokenizer.convert_tokens_to_ids(END_CALL), tokenizer.eos_token_id
+    prompts = encode(tokenizer, [MATH_PROMPT.format(question=r["question"]) for r in rows])
+    episodes, active = [[] for _ in rows], list(range(len(rows)))
+    for _ in range(max_turns):
+        turns = sample(policy, [prompts[i] + episodes[i] for i in active], eos, temperature, max_tokens, (end_call,))
+        still = []
+        for i, turn in zip(active, turns):
+            episodes[i] += turn
+            if turn and turn[-1] == end_call and len(episodes[i]) < max_tokens:
+                call = tokenizer.decode(turn).rsplit(CALL, 1)[-1][: -len(END_CALL)]
+                episodes[i] += encode(tokenizer, [tool_answer(calculator(call))])[0]
+                still.append(i)
+        active = still
+        if not active:
+            break
+    return episodes
+
+
+def tool_report(policy, tokenizer, rows: list[dict]) -> dict:
+    """The SFT policy with the tool on `rows`: greedy pass@1 (overall and by the chain's steps), its episodes' turns
+    and lengths in tokens."""
+    episodes = tool_episodes(policy, tokenizer, rows)
+    end_call = tokenizer.convert_tokens_to_ids(END_CALL)
+    answers = [tokenizer.decode(e, skip_special_tokens=True).split("####")[-1].strip() for e in episodes]
+    right = [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+    by_steps = {}
+    for row, ok in zip(rows, right):
+        by_steps.setdefault(min(row["steps"], 6), []).append(ok)
+    turns, lengths = sorted(e.count(end_call) + 1 for e in episodes), sorted(map(len, episodes))
+    return {"sft_test_pass_at_1": sum(right) / len(right),
+            "sft_pass_at_1_by_steps": {f"{s}{'+' * (s == 6)}": sum(v) / len(v) for s, v in sorted(by_steps.items())},
+            "sft_turns_p50": turns[len(turns) // 2], "sft_turns_p90": turns[int(0.9 * len(turns))],
+            "sft_turns_p99": turns[int(0.99 * len(turns))], "sft_length_p50": lengths[len(lengths) // 2],
+            "sft_length_p99": lengths[int(0.99 * len(lengths))]}
+
+
+def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
+    """Build the chains-with-a-calculator world into `tiny_dir` unless one is there: the chains world's problems
+    (the same train and test splits), its tokenizer recipe with the call's two marks as tokens of their own, and a
+    GPT-NeoX SFT policy (hidden 128, 4 layers) trained on the worked solutions solved with the tool (a call per
+    step; the tool's answers masked from the loss: it calls, the tool computes). A long chain is a long episode:
+    the tail is in turns as well as tokens. `quick`: a tenth of the problems and 20 SFT steps (the builder's test).
+    Returns the SFT policy's and the dataset's folders."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
+    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
+        build_in_own_process("tools", tiny_dir, str(int(quick)))
+    return paths
+
+
+def build_tools_here(tiny_dir: str, quick: str = "0") -> None:
+    """The tool world's build itself (build_tools runs it in a child process)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    quick = bool(int(quick))
+    progress = Progress("the chains with a calculator" + " (quick)" * quick, tiny_dir)
+    sft_steps, scale = (20, 10) if quick else (TOOLS_SFT_STEPS, 1)
+    with deterministic(0) as rng:
+        train = [make_chain_problem(rng) for _ in range(12000 // scale)]
+        questions = {r["question"] for r in train}
+        test, test_rng = [], random.Random(1)
+        while len(test) < 400 // scale:
+            row = make_chain_problem(test_rng)
+            if row["question"] not in questions:
+                test.append(row)
+        digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100
+        texts = [r["question"] + "".join(text for text, _ in tool_pieces(r)) for r in train]
+        tokenizer = build_math_tokenizer(texts + digits)
+        tokenizer.add_special_tokens({"additional_special_tokens": [CALL, END_CALL]})
+        progress("problems and tokenizer")
+        policy = train_math_sft(tokenizer, train, 128, 2e-3, sft_steps, progress, tools=True)
+        report = {"quick": quick, "sft_steps": sft_steps, **tool_report(policy, tokenizer, test)}
+    save_world(tiny_dir, {"train": train, "test": test}, {"sft": policy}, tokenizer, report)
+    progress(f"built: greedy pass@1 with the tool {report['sft_test_pass_at_1']:.2f}, turns p50 "
+             f"{report['sft_turns_p50']} and p99 {report['sft_turns_p99']}; saved in {tiny_dir}")
+
+
 if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--quick] [--base TLDR_FOLDER] (sized)
     if sys.argv[1:2] == ["--build"]:  # (build_in_own_process's child)
         kind, folder, *options = sys.argv[2:]
-        {"tldr": build_tldr_here, "gsm8k": build_gsm8k_here, "chains": build_chains_here,
+        {"tldr": build_tldr_here, "gsm8k": build_gsm8k_here, "chains": build_chains_here, "tools": build_tools_here,
          "sized": build_sized_here}[kind](folder, *options)
         sys.exit()
     import argparse
 
     parser = argparse.ArgumentParser(description="Build a toy world into a folder (nothing is built over one).")
-    parser.add_argument("kind", choices=["tldr", "gsm8k", "chains", "sized"])
+    parser.add_argument("kind", choices=["tldr", "gsm8k", "chains", "tools", "sized"])
     parser.add_argument("folder")
     parser.add_argument("--quick", action="store_true", help="the same layout on a fraction of the work (tests)")
     parser.add_argument("--base", default=SHIPPED["tldr"], help="sized: the TL;DR world the sizes are built beside")
@@ -1015,5 +1161,6 @@ if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--qu
     if cli.kind == "sized":
         build_sized(cli.folder, cli.base, cli.quick)
     else:
-        {"tldr": build_tldr, "gsm8k": build_gsm8k, "chains": build_chains}[cli.kind](cli.folder, cli.quick)
+        {"tldr": build_tldr, "gsm8k": build_gsm8k, "chains": build_chains, "tools": build_tools}[cli.kind](
+            cli.folder, cli.quick)
     print(open(os.path.join(os.path.expanduser(cli.folder), "world.json")).read())

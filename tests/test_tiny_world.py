@@ -126,11 +126,40 @@ def test_sized_policies_and_proxies_share_the_gold_model_and_leave_the_world_as_
     assert report["base_hash"] == tiny_world.check_world(tiny_dir, "tldr")
 
 
+@pytest.mark.parametrize("expression, result", [("23 + 11", 34), (" 34 - 5 ", 29), ("7-9", -2), ("23 +", None),
+                                                ("23 * 2", None), ("", None), ("1 + 2 + 3", None)])
+def test_the_calculator_answers_or_says_error(expression, result):
+    assert tiny_world.calculator(expression) == result
+    assert tiny_world.tool_answer(result) == (" = error\n" if result is None else f" = {result}\n")
+
+
+def test_the_tool_worlds_sft_policy_calls_the_tool_and_solves_what_its_report_says():
+    """The shipped tool world: its worked solutions are a call per step, each answered by the tool, then the final
+    answer; the SFT policy trained on them (the tool's answers masked) solves the test problems with the tool,
+    greedily, as often as its report says (recomputed here: 400 problems, every turn through the calculator), most
+    episodes taking more than one turn; the chains world's problems, the same splits."""
+    folder = tiny_world.SHIPPED["tools"]
+    sft, data, _ = tiny_world.tools_world(folder)
+    rows = [json.loads(line) for line in open(os.path.join(data, "test.jsonl"))]
+    chains = [json.loads(line) for line in open(os.path.join(tiny_world.SHIPPED["chains"], "data", "test.jsonl"))]
+    assert [r["question"] for r in rows] == [r["question"] for r in chains]
+    pieces = tiny_world.tool_pieces(rows[0])
+    steps = rows[0]["answer"].count("\n")
+    assert len(pieces) == 2 * steps + 1 and [keep for _, keep in pieces] == [True, False] * steps + [True]
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(sft).eval(), AutoTokenizer.from_pretrained(sft)
+    assert all(len(tokenizer.encode(mark, add_special_tokens=False)) == 1 for mark in (tiny_world.CALL,
+                                                                                       tiny_world.END_CALL))
+    report = json.load(open(os.path.join(folder, "world.json")))
+    recomputed = tiny_world.tool_report(policy, tokenizer, rows)
+    assert recomputed["sft_test_pass_at_1"] == pytest.approx(report["sft_test_pass_at_1"], abs=1e-9)
+    assert recomputed["sft_turns_p50"] >= 2 and 0.15 < recomputed["sft_test_pass_at_1"] < 0.7
+
+
 def layout(folder: str) -> set:
     return {os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names}
 
 
-@pytest.mark.parametrize("kind", ["tldr", "gsm8k", "chains"])
+@pytest.mark.parametrize("kind", ["tldr", "gsm8k", "chains", "tools"])
 def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
     """`python tiny_world.py KIND FOLDER --quick`, the builder's command on a fraction of the work: the same files as
     the world shipped in worlds/ (Hugging Face model folders, the dataset with its card, world.json with the same
@@ -148,8 +177,8 @@ def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
         for key in ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             assert configs[0][key] == configs[1][key], (model, key)
     assert open(folder / "data" / "README.md").read() == open(os.path.join(shipped, "data", "README.md")).read()
-    world = {"tldr": tiny_world.tldr_world, "gsm8k": tiny_world.gsm8k_world, "chains": tiny_world.chains_world}[kind](
-        str(folder))
+    world = {"tldr": tiny_world.tldr_world, "gsm8k": tiny_world.gsm8k_world, "chains": tiny_world.chains_world,
+             "tools": tiny_world.tools_world}[kind](str(folder))
     assert world[-1] == tiny_world.file_hash(folder / tiny_world.CHECKSUMS) != tiny_world.check_world(shipped, kind)
 
 
