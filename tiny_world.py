@@ -1061,6 +1061,24 @@ def tool_pieces(row: dict) -> list[tuple[str, bool]]:
     return pieces + [(row["answer"].split("\n")[-1], True)]
 
 
+def make_tool_problem(rng: random.Random, distractors: float = 0.5) -> dict:
+    """A chain problem with other people's counts woven in (each sentence after the first followed by another
+    person's move with probability `distractors`): the policy must read which numbers are its chain's before it
+    calls the tool, which does only the arithmetic."""
+    row = make_chain_problem(rng)
+    sentences = row["question"].split(". ")
+    name = sentences[0].split()[0]
+    others = [n for n in MATH_NAMES if n != name]
+    woven = [sentences[0]]
+    for sentence in sentences[1:-1]:
+        woven.append(sentence)
+        if rng.random() < distractors:
+            other, b = rng.choice(others), rng.randint(1, 20)
+            woven.append(rng.choice(CHAIN_MOVES[rng.choice("+-")]).format(n=other, b=b).rstrip("."))
+    woven.append(sentences[-1])
+    return {**row, "question": ". ".join(woven)}
+
+
 def tool_episodes(policy, tokenizer, rows: list[dict], temperature: float = 0.0, max_turns: int = 16,
                   max_tokens: int = 128) -> list[list[int]]:
     """The policy solving `rows` with the calculator, with transformers' generate: each turn samples until a call
