@@ -1033,7 +1033,7 @@ def chain_report(policy, tokenizer, rows: list[dict]) -> dict:
 # The chains with a calculator (`agentic_grpo.py --model tiny`)
 # ---------------------------------------------------------------------------------------------------------------
 CALL, END_CALL = "<<", ">>"  # a call, "<<23 + 11>>": the policy stops at ">>", and the tool answers " = 34\n"
-TOOLS_SFT_STEPS = 900
+TOOLS_SFT_STEPS = 300  # a probe read greedy pass@1 0.15, 0.53, 0.605, 0.448, 0.675 at 150-600 steps: no cliff
 
 
 def calculator(expression: str) -> Optional[int]:
@@ -1122,7 +1122,8 @@ def tool_report(policy, tokenizer, rows: list[dict]) -> dict:
 
 def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     """Build the chains-with-a-calculator world into `tiny_dir` unless one is there: the chains world's problems
-    (the same train and test splits), its tokenizer recipe with the call's two marks as tokens of their own, and a
+    with other people's moves woven in (make_tool_problem: the policy must pick its chain's numbers), its tokenizer
+    recipe with the call's two marks as tokens of their own, and a
     GPT-NeoX SFT policy (hidden 128, 4 layers) trained on the worked solutions solved with the tool (a call per
     step; the tool's answers masked from the loss: it calls, the tool computes). A long chain is a long episode:
     the tail is in turns as well as tokens. `quick`: a tenth of the problems and 20 SFT steps (the builder's test).
@@ -1143,11 +1144,11 @@ def build_tools_here(tiny_dir: str, quick: str = "0") -> None:
     progress = Progress("the chains with a calculator" + " (quick)" * quick, tiny_dir)
     sft_steps, scale = (20, 10) if quick else (TOOLS_SFT_STEPS, 1)
     with deterministic(0) as rng:
-        train = [make_chain_problem(rng) for _ in range(12000 // scale)]
+        train = [make_tool_problem(rng) for _ in range(12000 // scale)]
         questions = {r["question"] for r in train}
         test, test_rng = [], random.Random(1)
         while len(test) < 400 // scale:
-            row = make_chain_problem(test_rng)
+            row = make_tool_problem(test_rng)
             if row["question"] not in questions:
                 test.append(row)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100

@@ -137,12 +137,14 @@ def test_the_tool_worlds_sft_policy_calls_the_tool_and_solves_what_its_report_sa
     """The shipped tool world: its worked solutions are a call per step, each answered by the tool, then the final
     answer; the SFT policy trained on them (the tool's answers masked) solves the test problems with the tool,
     greedily, as often as its report says (recomputed here: 400 problems, every turn through the calculator), most
-    episodes taking more than one turn; the chains world's problems, the same splits."""
+    episodes taking more than one turn. The problems are chains with other people's moves woven in: a question of
+    more than one step names another person about as often as not (the policy must pick its chain's numbers)."""
     folder = tiny_world.SHIPPED["tools"]
     sft, data, _ = tiny_world.tools_world(folder)
     rows = [json.loads(line) for line in open(os.path.join(data, "test.jsonl"))]
-    chains = [json.loads(line) for line in open(os.path.join(tiny_world.SHIPPED["chains"], "data", "test.jsonl"))]
-    assert [r["question"] for r in rows] == [r["question"] for r in chains]
+    longer = [r for r in rows if r["steps"] > 1]
+    woven = [r for r in longer if len({w for w in r["question"].split() if w in tiny_world.MATH_NAMES}) > 1]
+    assert 0.4 < len(woven) / len(longer) < 0.95, len(woven) / len(longer)
     pieces = tiny_world.tool_pieces(rows[0])
     steps = rows[0]["answer"].count("\n")
     assert len(pieces) == 2 * steps + 1 and [keep for _, keep in pieces] == [True, False] * steps + [True]
