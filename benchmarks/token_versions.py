@@ -1,5 +1,6 @@
 """Every token's log-prob against its own version's: the audit of a run made with `fully_async_grpo.py
---record_rollouts` (issue: in-flight weight updates make one completion the work of several versions).
+--record_rollouts` (issue: in-flight weight updates make one completion the work of several versions), or
+`agentic_grpo.py --record_rollouts` (an episode's turns, the tool's answers between them: version -1, not audited).
 
 Reads the run's rollouts.jsonl (each completion's tokens, the sampler's log-probs, its (version, first token, end)
 spans) and versions/ (every version's weights as the generator loaded them), re-reads each completion, prompt and
@@ -61,6 +62,7 @@ def token_gaps(run_dir: str, mislabel: int = 0, chunk: int = 32) -> dict:
         shifted = row["versions"] + mislabel
         outside = ~torch.isin(shifted, torch.tensor(known))  # (past the last version: the other neighbour)
         row["label"] = torch.where(outside, row["versions"] - mislabel, shifted) if mislabel else row["versions"]
+        row["label"][row["versions"] < 0] = -1  # (agentic_grpo.py: the tool's tokens, which no version sampled)
         row["recomputed"] = torch.full_like(row["logprobs"], float("nan"))
     if os.path.exists(os.path.join(folder, "adapter_config.json")):  # (--lora_rank: adapters on the SFT weights)
         from peft import LoraConfig, get_peft_model
@@ -88,7 +90,9 @@ def token_gaps(run_dir: str, mislabel: int = 0, chunk: int = 32) -> dict:
                 row["recomputed"][here] = row_logprobs[: len(row["response"])][here]
     gaps = {"first": [], "later": []}
     for row in rows:  # (a token whose version was not kept, --record_every, stays NaN: left out)
-        gap, later = (row["recomputed"] - row["logprobs"]).abs(), row["versions"] != row["versions"][0]
+        policy_versions = row["versions"][row["versions"] >= 0]
+        gap = (row["recomputed"] - row["logprobs"]).abs()
+        later = row["versions"] != (policy_versions[0] if len(policy_versions) else -1)
         gaps["first"].append(gap[~later & ~gap.isnan()])
         gaps["later"].append(gap[later & ~gap.isnan()])
         gaps.setdefault(f"engine{row['engine']}", []).append(gap[~gap.isnan()])

@@ -34,9 +34,9 @@ def pytest_collection_modifyitems(items: list) -> None:
     durations each run lists at its end): the next file goes to the worker that finishes first, so both end close
     together. The quick files fill in at the end."""
     first = ["test_benchmarks.py", "test_gsm8k.py", "test_engines.py", "test_resume.py", "test_fully_async.py",
-             "test_stream_benchmarks.py", "test_lora.py", "test_ppo.py", "test_end_to_end.py", "test_shutdown.py",
-             "test_rloo.py", "test_sync_baseline.py", "test_tiny_world.py", "test_failures.py", "test_chat.py",
-             "test_reward_tokenizer.py"]
+             "test_stream_benchmarks.py", "test_agentic.py", "test_lora.py", "test_ppo.py", "test_end_to_end.py",
+             "test_shutdown.py", "test_rloo.py", "test_sync_baseline.py", "test_tiny_world.py", "test_failures.py",
+             "test_chat.py", "test_reward_tokenizer.py"]
     rank = {name: i for i, name in enumerate(first)}
     items.sort(key=lambda item: rank.get(item.path.name, len(first)))
 
@@ -93,6 +93,15 @@ def chains_dir() -> str:
 
     tiny_world.chains_world(tiny_world.SHIPPED["chains"])
     return tiny_world.SHIPPED["chains"]
+
+
+@pytest.fixture(scope="session")
+def tools_dir() -> str:
+    """The tool world shipped in worlds/ (agentic_grpo.py's), checked as the others are."""
+    import tiny_world
+
+    tiny_world.tools_world(tiny_world.SHIPPED["tools"])
+    return tiny_world.SHIPPED["tools"]
 
 
 @pytest.fixture(scope="session")
