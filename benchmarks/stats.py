@@ -110,3 +110,30 @@ def fmt_share(share: Optional[tuple], none: str = "no gain") -> str:
         return none
     value, low, high = share
     return f"{value:.0%} ({low:.0%} to {high:.0%})" if high > low else f"{value:.0%}"
+
+
+def p_value(t: Optional[float], df: int) -> float:
+    """The two-sided p of a t-statistic at `df` degrees of freedom: 2 P(T > |t|), the t density integrated by
+    Simpson's rule (no statistics package needed; 1 for no t, 0 for an infinite one: seeds that did not vary)."""
+    if t is None:
+        return 1.0
+    if math.isinf(t):
+        return 0.0
+    t, steps = abs(t), 20000
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    h = t / steps
+    density = [scale * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(steps + 1)]
+    area = h / 3 * (density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2]))
+    return max(0.0, 1 - 2 * area)
+
+
+def holm(p_values: list[float], level: float = 0.05) -> list[bool]:
+    """Holm's step-down procedure: which comparisons of a family survive at `level` family-wise (the smallest p
+    against level / m, the next against level / (m - 1), ..., stopping at the first that fails)."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    survives = [False] * len(p_values)
+    for rank, i in enumerate(order):
+        if p_values[i] > level / (len(p_values) - rank):
+            break
+        survives[i] = True
+    return survives

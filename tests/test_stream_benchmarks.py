@@ -120,3 +120,38 @@ def test_capacity_quick(chains_dir, tmp_path):
                  "the split of 8 GPUs (k = 2, pace", "the model's split: G ="):
         assert line in result.stdout, result.stdout
     assert (tmp_path / "capacity.png").stat().st_size > 1000
+
+
+def test_agentic_quick(tools_dir, tmp_path):
+    """The agentic experiment's short runs (one seed, k = 0 and 2, each arm), read from their folders: the atomic
+    arm never lets an episode span two versions, the `turns` arm does, every group is within k = 2; the table, the
+    one-seed line (no comparison judged) and the plot come out; a second invocation reads the runs again."""
+    command = ("--quick", "--runs_dir", str(tmp_path / "runs"), "--plot_dir", str(tmp_path))
+    result = run_script(*command, script=os.path.join("benchmarks", "agentic.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "within-episode" in result.stdout and "(one seed: no comparison is judged)" in result.stdout
+
+    def steps(name: str) -> list:
+        records = map(json.loads, open(tmp_path / "runs" / name / "metrics.jsonl"))
+        return [r for r in records if "staleness/max" in r]
+
+    assert all(r["staleness/within_episode_max"] == 0 for r in steps("atomic_k2_seed1") + steps("k0_seed1"))
+    assert max(r["staleness/within_episode_max"] for r in steps("turns_k2_seed1")) >= 1
+    assert all(r["staleness/max"] <= 2 for name in ("turns", "atomic", "first_turn")
+               for r in steps(f"{name}_k2_seed1"))
+    assert (tmp_path / "agentic.png").stat().st_size > 1000
+    again = run_script(*command, script=os.path.join("benchmarks", "agentic.py"))
+    assert again.returncode == 0 and " ..." not in again.stdout, again.stdout
+
+
+def test_p_values_and_holm_worked_by_hand():
+    """Two-sided p of t at the tabled 95% thresholds is 0.05 (df 1, 2, 4); at df 2 it has a closed form,
+    1 - t / sqrt(t^2 + 2); zero spread (t infinite) is p 0 and no t is p 1. Holm: p = 0.001, 0.04, 0.01, 0.5 against
+    0.05 / 4, / 3, / 2: the first and third survive, then 0.04 > 0.025 stops it."""
+    from benchmarks import stats
+
+    for df, t in ((1, 12.706), (2, 4.303), (4, 2.776)):
+        assert abs(stats.p_value(t, df) - 0.05) < 1e-4
+    assert abs(stats.p_value(1.0, 2) - (1 - 1 / 3 ** 0.5)) < 1e-9
+    assert stats.p_value(float("inf"), 2) == 0.0 and stats.p_value(None, 2) == 1.0
+    assert stats.holm([0.001, 0.04, 0.01, 0.5]) == [True, False, True, False]

@@ -1,0 +1,159 @@
+"""Does staleness compound across turns? The experiment of docs/agentic.md (pre-registered there before the runs).
+
+`agentic_grpo.py --model tiny` on the tool world at group staleness k in {0, 2, 4, 8} (`pace`: every episode's
+oldest token at most k versions behind the learner), three arms at each k > 0, the same seeds, the same prompts:
+  turns       a version loads between any two turns (an episode's turns may be sampled by different versions), each
+              token corrected by its own sampler's log-prob (the script's default);
+  atomic      --episode_atomic: a version loads only between episodes (no episode spans two versions: the
+              single-version data of a single-turn experiment, on the same problems, policy and tool);
+  first_turn  loads between turns as `turns`, mu from each episode's first turn's version for every token
+              (--behaviour_version first_turn: what a system that tags episodes, not tokens, would compute).
+At k = 0 the three are one run (nothing loads while an episode runs). Every run has the same tool latency
+(long-tailed), so that an episode spans versions as it would with a slow environment.
+
+Prints, per arm and k, the final greedy pass@1 on the 400 test problems (mean ± s.e. over seeds), its gain over
+the SFT policy, the within-episode staleness and the share of episodes that span versions; then the pre-registered
+comparisons, paired by seed and judged on the t-distribution (Q1: turns - atomic at each k, and each arm's drop from
+k = 0; Q2: turns - first_turn at each k), with a Holm line over the table's comparisons. Saves agentic.png (pass@1
+against k, an arm a line). A run whose folder holds its final evaluation is read, not run again (resumable).
+
+    python benchmarks/agentic.py            # 30 runs, about an hour on 2 cores
+    python benchmarks/agentic.py --quick    # one seed, k = 0 and 2, a few steps: checks it, measures nothing
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import tyro
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from stats import fmt, gap, holm, mean_and_stderr, p_value  # noqa: E402
+
+ARMS = {"turns": (), "atomic": ("--episode_atomic",), "first_turn": ("--behaviour_version", "first_turn")}
+TOOL = ("--tool_latency", "0.05", "--tool_latency_distribution", "lognormal")  # (the same in every run)
+
+
+@dataclass
+class Args:
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """seeds, each run by every arm at every k (paired by seed)"""
+    staleness: list[int] = field(default_factory=lambda: [0, 2, 4, 8])
+    """the k values (--max_staleness); k = 0 is one run per seed, every arm's"""
+    runs_dir: str = os.path.join(HERE, "runs", "agentic")
+    """where every run keeps its folder (a finished run is read, not run again)"""
+    plot_dir: str = HERE
+    """where the PNG goes"""
+    quick: bool = False
+    """one seed, k = 0 and 2, a few steps each: checks that the benchmark works, measures nothing"""
+
+
+def run(name: str, args: Args, *flags: str) -> dict:
+    """A run's steps and evaluations, running it unless its folder holds a finished one."""
+    folder = os.path.join(args.runs_dir, name)
+    done = os.path.join(folder, "done")
+    if not os.path.exists(done):
+        print(f"{name} ...", flush=True)
+        quick = ("--total_episodes", "192", "--batch_size", "32", "--per_device_train_batch_size", "32",
+                 "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick else ()
+        result = subprocess.run([sys.executable, os.path.join(REPO, "agentic_grpo.py"), "--model", "tiny",
+                                 "--output_dir", folder, "--eval_every", "0", *TOOL, *flags, *quick], cwd=REPO,
+                                capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"{name} failed (exit code {result.returncode}):\n{result.stderr[-3000:]}")
+        open(done, "w").close()
+    records = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    steps = [r for r in records if "staleness/mean" in r]
+    evals = [r for r in records if "eval/pass_at_1" in r]
+    return dict(sft=evals[0]["eval/pass_at_1"], final=evals[-1]["eval/pass_at_1"],
+                within=statistics.mean(r["staleness/within_episode_mean"] for r in steps),
+                spanning=statistics.mean(r["episode/multi_version_fraction"] for r in steps),
+                turns=statistics.mean(r["episode/turns_mean"] for r in steps),
+                seconds=steps[-1]["time/elapsed"])
+
+
+def sweep(args: Args) -> dict:
+    """{(arm, k): {seed: run}} over the design (k = 0: one run per seed, every arm's)."""
+    results = {}
+    for seed in args.seeds:
+        for k in args.staleness:
+            for arm, flags in ARMS.items():
+                name = f"k{k}_seed{seed}" if k == 0 else f"{arm}_k{k}_seed{seed}"
+                results.setdefault((arm, k), {})[seed] = run(
+                    name, args, "--seed", str(seed), "--max_staleness", str(k), *(flags if k else ()))
+    return results
+
+
+def report(results: dict, args: Args) -> None:
+    seeds, ks = args.seeds, args.staleness
+    print(f"\nfinal greedy pass@1 on the tool world's test problems (mean ± s.e. over seeds {seeds}); SFT "
+          f"{fmt([results[('turns', 0)][s]['sft'] for s in seeds])}")
+    print(f"{'arm':>11} {'k':>3}  {'pass@1':>15}  {'gain over SFT':>15}  {'within-episode':>15}  "
+          f"{'spanning':>9}  {'turns':>5}  {'seconds':>7}")
+    for (arm, k), runs in results.items():
+        if k == 0 and arm != "turns":
+            continue
+        values = [runs[s] for s in seeds]
+        print(f"{arm if k else 'all arms':>11} {k:>3}  {fmt([v['final'] for v in values]):>15}  "
+              f"{fmt([v['final'] - v['sft'] for v in values]):>15}  {fmt([v['within'] for v in values]):>15}  "
+              f"{statistics.mean(v['spanning'] for v in values):>9.3f}  "
+              f"{statistics.mean(v['turns'] for v in values):>5.2f}  "
+              f"{statistics.mean(v['seconds'] for v in values):>7.0f}")
+    if len(seeds) < 2:
+        print("(one seed: no comparison is judged)")
+        return
+
+    def final(arm: str, k: int) -> list:
+        return [results[(arm, k)][s]["final"] for s in seeds]
+
+    comparisons = []
+    for k in ks[1:]:
+        comparisons.append((f"Q1  turns - atomic at k = {k}", gap(final("turns", k), final("atomic", k))))
+    for k in ks[1:]:
+        for arm in ("turns", "atomic"):
+            comparisons.append((f"Q1  {arm} at k = {k} - k = 0", gap(final(arm, k), final("turns", 0))))
+    for k in ks[1:]:
+        comparisons.append((f"Q2  turns - first_turn at k = {k}", gap(final("turns", k), final("first_turn", k))))
+    print("\nthe pre-registered comparisons (paired by seed; t-distribution, two-sided 95%):")
+    for label, result in comparisons:
+        print(f"  {label:<34} {result['text']}")
+    survive = holm([p_value(r["t"], len(seeds) - 1) for _, r in comparisons])
+    kept = [label.strip() for (label, _), ok in zip(comparisons, survive) if ok]
+    print(f"  Holm over these {len(comparisons)} comparisons (5% family-wise): "
+          f"{', '.join(kept) if kept else 'none survives'}")
+
+
+def plot(results: dict, args: Args, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in ARMS:
+        ks = args.staleness
+        points = [mean_and_stderr([results[("turns" if k == 0 else arm, k)][s]["final"] for s in args.seeds])
+                  for k in ks]
+        ax.errorbar(ks, [m for m, _ in points], yerr=[e for _, e in points], marker="o", capsize=3, label=arm)
+    ax.axhline(statistics.mean(results[("turns", 0)][s]["sft"] for s in args.seeds), color="grey", ls=":",
+               label="SFT")
+    ax.set(xlabel="k (--max_staleness, pace)", ylabel="final greedy pass@1 (± s.e. over seeds)")
+    ax.legend(fontsize=8)
+    fig.suptitle("python benchmarks/agentic.py (the tool world)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot saved to {path}")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
+    if args.quick:
+        args.seeds, args.staleness = args.seeds[:1], [0, 2]
+    results = sweep(args)
+    report(results, args)
+    plot(results, args, os.path.join(args.plot_dir, "agentic.png"))
