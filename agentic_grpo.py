@@ -282,9 +282,10 @@ def resolve_args(args: Args) -> Args:
         (args.episode_atomic and args.inflight_updates, "--episode_atomic loads only between episodes, "
          "--inflight_updates within a turn: choose one"),
         (args.behaviour_version == "first_turn" and (args.world_size > 1 or args.lora_rank or args.proximal !=
-                                                     "recompute" or args.stale_policy != "pace"),
+                                                     "recompute" or args.stale_policy != "pace" or args.resume_from),
          "--behaviour_version first_turn (the experiment's arm) needs one learner process, full fine-tuning, "
-         "--proximal recompute and --stale_policy pace (the learner keeps the last k + 1 versions to recompute it)"),
+         "--proximal recompute, --stale_policy pace and a fresh run (the learner keeps the last k + 1 versions' "
+         "weights in memory to recompute it; a checkpoint does not hold them)"),
     ]:
         if bad:
             core.fail(message)
@@ -580,7 +581,8 @@ def take_groups(engines: list, stream: dict, version: int, args: Args) -> tuple[
         stream["taken"] += 1
         engine = stream["engines"].setdefault(group["engine"], dict(groups=0, idle=0.0, loaded=0, lags=[]))
         engine.update(groups=engine["groups"] + 1, idle=group["idle_seconds"], loaded=group["loaded"],
-                      tool_pending=group["tool_pending"], tool_overlap=group["tool_overlap"])
+                      tool_pending=group["tool_pending"], tool_overlap=group["tool_overlap"],
+                      turns_per_step=group["turns_per_step"])
         engine["lags"] += [end - stream["published_at"][v] for v, _, end in group["loads"]
                            if v in stream["published_at"]]
         staleness = version - group["version"]
@@ -675,7 +677,8 @@ def episode_stats(batch: list, stream: dict) -> dict:
     """What a user must see of the episodes: their turns (p50, p90, p99), the versions that sampled each one and
     its within-episode staleness (newest minus oldest token version; the learner's minus the oldest is
     staleness/max, as for a group), its histogram, the tool's calls, seconds and errors (malformed calls, wrong on
-    purpose), and how much of the tools' time the engine spent sampling other episodes (its overlap)."""
+    purpose), how much of the tools' time the engine spent sampling other episodes (its overlap), and the engine's
+    occupancy (turns a step advances, the mean over engine steps since training began and over engines)."""
     turns = sorted(t for g in batch for t in g["turns"])
     within = [s for g in batch for s in g["within_episode"]]
     versions = [n for g in batch for n in g["episode_versions"]]
@@ -695,7 +698,9 @@ def episode_stats(batch: list, stream: dict) -> dict:
             / max(calls, 1), "tools/malformed": sum(sum(g["malformed"]) for g in batch),
             "tools/wrong": sum(sum(g["wrong"]) for g in batch),
             "tools/overlap_fraction": sum(e["tool_overlap"] for e in stream["engines"].values()) / pending
-            if pending else 0.0}
+            if pending else 0.0,
+            "generator/turns_per_step": sum(e["turns_per_step"] for e in stream["engines"].values())
+            / len(stream["engines"])}
 
 
 # --- Auditing a run (--record_rollouts): what the learner trained on, and every version that sampled it --------
@@ -1067,6 +1072,8 @@ class Stream:
     tool_rng: object = None  # the tool's latency and its wrong answers (seeded: --seed and the engine's number)
     tool_pending: float = 0.0  # seconds with a tool call pending, and of them, the engine stepping (overlap)
     tool_overlap: float = 0.0
+    steps: int = 0  # engine steps, and the turns they advanced in all (the engine's occupancy: turns a step)
+    turn_steps: int = 0
     eval_request: Optional[dict] = None  # an evaluation waiting for the engine to drain
     loads: list = field(default_factory=list)  # (version, start, end) since the last group sent
     reprefills: list = field(default_factory=list)  # seconds of the engine step after each load that preempted
@@ -1308,6 +1315,7 @@ def step_and_send(engine, stream: Stream, results) -> None:
     version that sampled it (the tool's with -1) and the sampler's log-prob (the tool's 0)."""
     mark_idle(stream, False)
     step_start = time.time()
+    stream.steps, stream.turn_steps = stream.steps + 1, stream.turn_steps + len(stream.turns)
     outputs = engine.step()
     if stream.reprefill_due:  # the step that re-read the preempted sequences' prefixes under the new weights
         stream.reprefills.append(time.time() - step_start)
@@ -1333,7 +1341,8 @@ def step_and_send(engine, stream: Stream, results) -> None:
             calls=[e["calls"] for e in episodes], malformed=[e["malformed"] for e in episodes],
             wrong=[e["wrong"] for e in episodes],
             loaded=stream.loaded, loads=stream.loads, reprefills=stream.reprefills, idle_seconds=stream.idle,
-            tool_pending=stream.tool_pending, tool_overlap=stream.tool_overlap))
+            tool_pending=stream.tool_pending, tool_overlap=stream.tool_overlap,
+            turns_per_step=stream.turn_steps / max(stream.steps, 1)))
         stream.loads, stream.reprefills = [], []
 
 

@@ -12,13 +12,15 @@ At k = 0 the three are one run (nothing loads while an episode runs). Every run 
 (long-tailed), so that an episode spans versions as it would with a slow environment.
 
 Prints, per arm and k, the final greedy pass@1 on the 400 test problems (mean ± s.e. over seeds), its gain over
-the SFT policy, the within-episode staleness and the share of episodes that span versions; then the pre-registered
+the SFT policy, the within-episode staleness, the share of episodes that span versions and the lag (`lag/kl_token`,
+the sampler's distance from the learner per token, the run's mean); then the pre-registered
 comparisons, paired by seed and judged on the t-distribution (Q1: turns - atomic at each k, and each arm's drop from
 k = 0; Q2: turns - first_turn at each k), with a Holm line over the table's comparisons. Saves agentic.png (pass@1
 against k, an arm a line). A run whose folder holds its final evaluation is read, not run again (resumable).
 
     python benchmarks/agentic.py            # 30 runs, about an hour on 2 cores
     python benchmarks/agentic.py --quick    # one seed, k = 0 and 2, a few steps: checks it, measures nothing
+    python benchmarks/agentic.py --demo     # the README's demo over three seeds, and its gain (about 8 minutes)
 """
 import json
 import os
@@ -50,6 +52,9 @@ class Args:
     """where the PNG goes"""
     quick: bool = False
     """one seed, k = 0 and 2, a few steps each: checks that the benchmark works, measures nothing"""
+    demo: bool = False
+    """instead of the experiment: the demo as the README gives it (`agentic_grpo.py --model tiny`, its defaults, no
+    tool latency) over the seeds, and its gain over the SFT policy"""
 
 
 def run(name: str, args: Args, *flags: str) -> dict:
@@ -61,8 +66,7 @@ def run(name: str, args: Args, *flags: str) -> dict:
         quick = ("--total_episodes", "192", "--batch_size", "32", "--per_device_train_batch_size", "32",
                  "--num_eval_prompts", "32", "--num_final_eval_prompts", "32") if args.quick else ()
         result = subprocess.run([sys.executable, os.path.join(REPO, "agentic_grpo.py"), "--model", "tiny",
-                                 "--output_dir", folder, "--eval_every", "0", *TOOL, *flags, *quick], cwd=REPO,
-                                capture_output=True, text=True)
+                                 "--output_dir", folder, *flags, *quick], cwd=REPO, capture_output=True, text=True)
         if result.returncode:
             raise SystemExit(f"{name} failed (exit code {result.returncode}):\n{result.stderr[-3000:]}")
         open(done, "w").close()
@@ -73,6 +77,7 @@ def run(name: str, args: Args, *flags: str) -> dict:
                 within=statistics.mean(r["staleness/within_episode_mean"] for r in steps),
                 spanning=statistics.mean(r["episode/multi_version_fraction"] for r in steps),
                 turns=statistics.mean(r["episode/turns_mean"] for r in steps),
+                lag=statistics.mean(r["lag/kl_token"] for r in steps),
                 seconds=steps[-1]["time/elapsed"])
 
 
@@ -83,8 +88,9 @@ def sweep(args: Args) -> dict:
         for k in args.staleness:
             for arm, flags in ARMS.items():
                 name = f"k{k}_seed{seed}" if k == 0 else f"{arm}_k{k}_seed{seed}"
-                results.setdefault((arm, k), {})[seed] = run(
-                    name, args, "--seed", str(seed), "--max_staleness", str(k), *(flags if k else ()))
+                command = ("--eval_every", "0", *TOOL, "--seed", str(seed), "--max_staleness", str(k),
+                           *(flags if k else ()))
+                results.setdefault((arm, k), {})[seed] = run(name, args, *command)
     return results
 
 
@@ -93,7 +99,7 @@ def report(results: dict, args: Args) -> None:
     print(f"\nfinal greedy pass@1 on the tool world's test problems (mean ± s.e. over seeds {seeds}); SFT "
           f"{fmt([results[('turns', 0)][s]['sft'] for s in seeds])}")
     print(f"{'arm':>11} {'k':>3}  {'pass@1':>15}  {'gain over SFT':>15}  {'within-episode':>15}  "
-          f"{'spanning':>9}  {'turns':>5}  {'seconds':>7}")
+          f"{'spanning':>9}  {'turns':>5}  {'seconds':>7}  {'lag/kl_token':>12}")
     for (arm, k), runs in results.items():
         if k == 0 and arm != "turns":
             continue
@@ -102,7 +108,8 @@ def report(results: dict, args: Args) -> None:
               f"{fmt([v['final'] - v['sft'] for v in values]):>15}  {fmt([v['within'] for v in values]):>15}  "
               f"{statistics.mean(v['spanning'] for v in values):>9.3f}  "
               f"{statistics.mean(v['turns'] for v in values):>5.2f}  "
-              f"{statistics.mean(v['seconds'] for v in values):>7.0f}")
+              f"{statistics.mean(v['seconds'] for v in values):>7.0f}  "
+              f"{statistics.mean(v['lag'] for v in values):>12.5f}")
     if len(seeds) < 2:
         print("(one seed: no comparison is judged)")
         return
@@ -110,14 +117,22 @@ def report(results: dict, args: Args) -> None:
     def final(arm: str, k: int) -> list:
         return [results[(arm, k)][s]["final"] for s in seeds]
 
+    sft = [results[("turns", 0)][s]["sft"] for s in seeds]
+    print("\ndoes RL learn on this world (final - SFT, paired by seed; not in the pre-registered family)?")
+    for k in ks:  # (the gain each arm makes: does RL learn on this world at all?)
+        for arm in ARMS if k else ("turns",):
+            print(f"  gain over SFT, {arm if k else 'all arms'} at k = {k}: {gap(final(arm, k), sft)['text']}")
     comparisons = []
     for k in ks[1:]:
-        comparisons.append((f"Q1  turns - atomic at k = {k}", gap(final("turns", k), final("atomic", k))))
+        comparisons.append((f"Q1  turns - atomic at k = {k}", gap(final("turns", k), final("atomic", k),
+                                                                      interval=True)))
     for k in ks[1:]:
         for arm in ("turns", "atomic"):
-            comparisons.append((f"Q1  {arm} at k = {k} - k = 0", gap(final(arm, k), final("turns", 0))))
+            comparisons.append((f"Q1  {arm} at k = {k} - k = 0", gap(final(arm, k), final("turns", 0),
+                                                                      interval=True)))
     for k in ks[1:]:
-        comparisons.append((f"Q2  turns - first_turn at k = {k}", gap(final("turns", k), final("first_turn", k))))
+        comparisons.append((f"Q2  turns - first_turn at k = {k}", gap(final("turns", k), final("first_turn", k),
+                                                                      interval=True)))
     print("\nthe pre-registered comparisons (paired by seed; t-distribution, two-sided 95%):")
     for label, result in comparisons:
         print(f"  {label:<34} {result['text']}")
@@ -154,6 +169,16 @@ if __name__ == "__main__":
     os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     if args.quick:
         args.seeds, args.staleness = args.seeds[:1], [0, 2]
-    results = sweep(args)
-    report(results, args)
-    plot(results, args, os.path.join(args.plot_dir, "agentic.png"))
+    if args.demo:
+        demo = {seed: run(f"demo_seed{seed}", args, "--seed", str(seed)) for seed in args.seeds}
+        print(f"\nthe demo (python agentic_grpo.py --model tiny), final greedy pass@1 over seeds {args.seeds}: "
+              f"{fmt([r['final'] for r in demo.values()])} (SFT {fmt([r['sft'] for r in demo.values()])}); "
+              f"episodes over two versions or more: {fmt([r['spanning'] for r in demo.values()])}; seconds of "
+              f"training {fmt([r['seconds'] for r in demo.values()], 0)}")
+        if len(args.seeds) > 1:
+            print(f"  gain over SFT, paired by seed: "
+                  f"{gap([r['final'] for r in demo.values()], [r['sft'] for r in demo.values()])['text']}")
+    else:
+        results = sweep(args)
+        report(results, args)
+        plot(results, args, os.path.join(args.plot_dir, "agentic.png"))

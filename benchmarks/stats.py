@@ -52,12 +52,13 @@ def judged(mean: float, se: float, df: int, digits: int = 3, interval: bool = Fa
     return dict(mean=mean, se=se, t=t, threshold=threshold, passes=passes, text=text)
 
 
-def gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:
-    """The per-seed difference values - baseline (paired by seed), judged (see `judged`)."""
+def gap(values: list[float], baseline: list[float], digits: int = 3, interval: bool = False) -> dict:
+    """The per-seed difference values - baseline (paired by seed), judged (see `judged`; `interval`: its 95%
+    interval printed too)."""
     if len(values) != len(baseline):
         raise ValueError(f"a paired gap needs as many seeds on each side, got {len(values)} and {len(baseline)}")
     mean, se = mean_and_stderr([a - b for a, b in zip(values, baseline)])
-    return judged(mean, se, len(values) - 1, digits)
+    return judged(mean, se, len(values) - 1, digits, interval)
 
 
 def unpaired_gap(values: list[float], baseline: list[float], digits: int = 3) -> dict:

@@ -134,7 +134,8 @@ def test_token_in_token_out_masks_and_the_bound_in_flight(tools_dir, tokenizer, 
     before it, encoded alone (or off by 1 to 9: counted wrong, or " = error\\n"); the learner's rows are exactly these
     ids, its loss mask 0 exactly on the tool's tokens, mu the sampler's. A fork that re-tokenises the episodes'
     text is caught by the same check. The bound, counted from each episode's oldest token, holds at every step,
-    while episodes span versions (within-episode staleness up to 2); the engine sampled during the tools' time."""
+    while episodes span versions (within-episode staleness up to 2); the engine sampled during the tools' time, several
+    turns a step."""
     out = tmp_path / "run"
     result = run_script(*run_flags(tools_dir, out, "--max_staleness", "2", "--inflight_updates", "--record_rollouts",
                                    "--tool_error_rate", "0.2", "--tool_latency", "0.02", "--tool_latency_distribution",
@@ -174,6 +175,7 @@ def test_token_in_token_out_masks_and_the_bound_in_flight(tools_dir, tokenizer, 
     assert max(r["staleness/within_episode_max"] for r in steps) >= 1
     assert all(r["staleness/within_episode_max"] <= r["staleness/max"] for r in steps)
     assert sum(r["tools/wrong"] for r in steps) > 0 and steps[-1]["tools/overlap_fraction"] > 0.3, steps[-1]
+    assert steps[-1]["generator/turns_per_step"] > 2  # (the engine steps several episodes' turns at once)
     assert steps[-1]["episode/turns_p90"] >= 3
 
 
