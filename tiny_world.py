@@ -986,6 +986,20 @@ def build_chains(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     return paths
 
 
+def problem_splits(make_problem, rng: random.Random, scale: int) -> tuple[list, list]:
+    """The chains worlds' splits: 12,000 / scale training problems drawn with `rng`, and 400 / scale test problems
+    (their own generator, seed 1) whose questions are not in training (a new question; its steps' facts are
+    training's, mostly)."""
+    train = [make_problem(rng) for _ in range(12000 // scale)]
+    questions = {r["question"] for r in train}
+    test, test_rng = [], random.Random(1)
+    while len(test) < 400 // scale:
+        row = make_problem(test_rng)
+        if row["question"] not in questions:
+            test.append(row)
+    return train, test
+
+
 def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
     """The chains world's build itself (build_chains runs it in a child process)."""
     import transformers
@@ -995,13 +1009,7 @@ def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
     progress = Progress("the long-tailed chains" + " (quick)" * quick, tiny_dir)
     sft_steps, scale = (20, 10) if quick else (CHAIN_SFT_STEPS, 1)
     with deterministic(0) as rng:
-        train = [make_chain_problem(rng) for _ in range(12000 // scale)]
-        questions = {r["question"] for r in train}
-        test, test_rng = [], random.Random(1)
-        while len(test) < 400 // scale:
-            row = make_chain_problem(test_rng)
-            if row["question"] not in questions:  # (a new question; its steps' facts are training's, mostly)
-                test.append(row)
+        train, test = problem_splits(make_chain_problem, rng, scale)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100  # (no chain reaches 0: " 0" would get no token of its own)
         tokenizer = build_math_tokenizer([r["question"] + " " + r["answer"] for r in train] + digits)
         progress("problems and tokenizer")
@@ -1123,9 +1131,9 @@ def tool_report(policy, tokenizer, rows: list[dict]) -> dict:
 def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     """Build the chains-with-a-calculator world into `tiny_dir` unless one is there: the chains world's problems
     with other people's moves woven in (make_tool_problem: the policy must pick its chain's numbers), its tokenizer
-    recipe with the call's two marks as tokens of their own, and a
-    GPT-NeoX SFT policy (hidden 128, 4 layers) trained on the worked solutions solved with the tool (a call per
-    step; the tool's answers masked from the loss: it calls, the tool computes). A long chain is a long episode:
+    recipe with the call's two marks as tokens of their own, and a GPT-NeoX SFT policy (hidden 128, 4 layers)
+    trained on the worked solutions solved with the tool (a call per step; the tool's answers masked from the loss:
+    it calls, the tool computes). A long chain is a long episode:
     the tail is in turns as well as tokens. `quick`: a tenth of the problems and 20 SFT steps (the builder's test).
     Returns the SFT policy's and the dataset's folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
@@ -1144,13 +1152,7 @@ def build_tools_here(tiny_dir: str, quick: str = "0") -> None:
     progress = Progress("the chains with a calculator" + " (quick)" * quick, tiny_dir)
     sft_steps, scale = (20, 10) if quick else (TOOLS_SFT_STEPS, 1)
     with deterministic(0) as rng:
-        train = [make_tool_problem(rng) for _ in range(12000 // scale)]
-        questions = {r["question"] for r in train}
-        test, test_rng = [], random.Random(1)
-        while len(test) < 400 // scale:
-            row = make_tool_problem(test_rng)
-            if row["question"] not in questions:
-                test.append(row)
+        train, test = problem_splits(make_tool_problem, rng, scale)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100
         texts = [r["question"] + "".join(text for text, _ in tool_pieces(r)) for r in train]
         tokenizer = build_math_tokenizer(texts + digits)
