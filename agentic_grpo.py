@@ -318,7 +318,7 @@ def resolve_args(args: Args) -> Args:
     if args.model != "tiny" and args.model not in PRESETS:  # (a new --model value needs its preset)
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
     if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
-        sft, data, args.world_hash = tiny_world.tools_world(args.tiny_dir)
+        sft, data, args.world_hash = tiny_world.math_world(args.tiny_dir, "tools")
         prompt_format = tiny_world.MATH_PROMPT  # (what the world's policy was trained on)
     else:
         sft, data, prompt_format = PRESETS[args.model]
@@ -1382,9 +1382,7 @@ def call_tool(tokenizer, turn: list[int], tool: dict, rng: random.Random) -> tup
     """The tool's answer to the call a turn ends with ("... <<23 + 11>>" -> " = 34\n"), as ids of its own (encoded
     alone: never merged with the policy's), and what happened: "ok", "malformed" (no call it can compute: it
     answers " = error\n", the episode goes on) or "wrong" (--tool_error_rate: off by 1 to 9 on purpose)."""
-    text = tokenizer.decode(turn)
-    expression = text.rsplit(tiny_world.CALL, 1)[-1].removesuffix(tiny_world.END_CALL)
-    result, outcome = tiny_world.calculator(expression) if tiny_world.CALL in text else None, "ok"
+    result, outcome = tiny_world.call_result(tokenizer.decode(turn)), "ok"
     if result is None:
         outcome = "malformed"
     elif rng.random() < tool["error_rate"]:

@@ -291,7 +291,7 @@ def resolve_args(args: Args) -> Args:
     if args.model != "tiny" and args.model not in PRESETS:  # (a new --model value needs its preset)
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
     if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
-        sft, data, args.world_hash = tiny_world.chains_world(args.tiny_dir)
+        sft, data, args.world_hash = tiny_world.math_world(args.tiny_dir, "chains")
         prompt_format = tiny_world.MATH_PROMPT  # (what the world's policy was trained on)
     else:
         sft, data, prompt_format = PRESETS[args.model]

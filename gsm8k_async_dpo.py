@@ -205,7 +205,7 @@ def resolve_args(args: Args) -> Args:
     if args.model != "tiny" and args.model not in PRESETS:  # (a new --model value needs its preset)
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
     if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
-        sft, data, args.world_hash = tiny_world.gsm8k_world(args.tiny_dir)
+        sft, data, args.world_hash = tiny_world.math_world(args.tiny_dir, "gsm8k")
     else:
         sft, data = PRESETS[args.model]
     args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data

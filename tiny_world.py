@@ -464,26 +464,11 @@ def tldr_world(tiny_dir: str) -> tuple[str, str, str, str, str]:
     return (*(os.path.join(tiny_dir, name) for name in ("sft", "proxy", "data", "gold")), digest)
 
 
-def chains_world(tiny_dir: str) -> tuple[str, str, str]:
-    """The long-tailed chains world in `tiny_dir`, checked: the SFT policy's and the dataset's folders, and the
-    world's hash."""
+def math_world(tiny_dir: str, kind: str) -> tuple[str, str, str]:
+    """A math world in `tiny_dir` (`kind`: the GSM8k miniature `gsm8k`, the long-tailed `chains`, the chains with a
+    calculator `tools`), checked: the SFT policy's and the dataset's folders, and the world's hash."""
     tiny_dir = os.path.expanduser(tiny_dir)
-    digest = check_world(tiny_dir, "chains")
-    return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data"), digest
-
-
-def tools_world(tiny_dir: str) -> tuple[str, str, str]:
-    """The chains-with-a-calculator world in `tiny_dir`, checked: the SFT policy's and the dataset's folders, and the
-    world's hash."""
-    tiny_dir = os.path.expanduser(tiny_dir)
-    digest = check_world(tiny_dir, "tools")
-    return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data"), digest
-
-
-def gsm8k_world(tiny_dir: str) -> tuple[str, str, str]:
-    """The GSM8k miniature in `tiny_dir`, checked: the SFT policy's and the dataset's folders, and the world's hash."""
-    tiny_dir = os.path.expanduser(tiny_dir)
-    digest = check_world(tiny_dir, "gsm8k")
+    digest = check_world(tiny_dir, kind)
     return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data"), digest
 
 
@@ -1053,6 +1038,14 @@ def calculator(expression: str) -> Optional[int]:
     return a + b if match[2] == "+" else a - b
 
 
+def call_result(turn_text: str) -> Optional[int]:
+    """The calculator's result for the call a turn ends with ("... <<23 + 11>>": 34); None for a turn without a call
+    it can compute (no opening mark, or not `a + b` / `a - b`)."""
+    if CALL not in turn_text:
+        return None
+    return calculator(turn_text.rsplit(CALL, 1)[-1].removesuffix(END_CALL))
+
+
 def tool_answer(result: Optional[int]) -> str:
     """What the tool appends after a call: its result, or an error the policy can read."""
     return " = error\n" if result is None else f" = {result}\n"
@@ -1101,8 +1094,7 @@ def tool_episodes(policy, tokenizer, rows: list[dict], temperature: float = 0.0,
         for i, turn in zip(active, turns):
             episodes[i] += turn
             if turn and turn[-1] == end_call and len(episodes[i]) < max_tokens:
-                call = tokenizer.decode(turn).rsplit(CALL, 1)[-1][: -len(END_CALL)]
-                episodes[i] += encode(tokenizer, [tool_answer(calculator(call))])[0]
+                episodes[i] += encode(tokenizer, [tool_answer(call_result(tokenizer.decode(turn)))])[0]
                 still.append(i)
         active = still
         if not active:
@@ -1133,9 +1125,9 @@ def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     with other people's moves woven in (make_tool_problem: the policy must pick its chain's numbers), its tokenizer
     recipe with the call's two marks as tokens of their own, and a GPT-NeoX SFT policy (hidden 128, 4 layers)
     trained on the worked solutions solved with the tool (a call per step; the tool's answers masked from the loss:
-    it calls, the tool computes). A long chain is a long episode:
-    the tail is in turns as well as tokens. `quick`: a tenth of the problems and 20 SFT steps (the builder's test).
-    Returns the SFT policy's and the dataset's folders."""
+    it calls, the tool computes). A long chain is a long episode: the tail is in turns as well as tokens. `quick`:
+    a tenth of the problems and 20 SFT steps (the builder's test). Returns the SFT policy's and the dataset's
+    folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
     if not os.path.exists(os.path.join(tiny_dir, "world.json")):

@@ -86,31 +86,30 @@ def run_script(*flags: str, script: str = "async_dpo.py", timeout: float = 1800,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
 
 
-@pytest.fixture(scope="session")
-def chains_dir() -> str:
-    """The long-tailed chains world shipped in worlds/ (fully_async_grpo.py's), checked as the others are."""
+def shipped_math_world(kind: str) -> str:
+    """A math world shipped in worlds/, checked file by file against its SHA256SUMS as the TL;DR world is."""
     import tiny_world
 
-    tiny_world.chains_world(tiny_world.SHIPPED["chains"])
-    return tiny_world.SHIPPED["chains"]
+    tiny_world.math_world(tiny_world.SHIPPED[kind], kind)
+    return tiny_world.SHIPPED[kind]
+
+
+@pytest.fixture(scope="session")
+def chains_dir() -> str:
+    """The long-tailed chains world (fully_async_grpo.py's)."""
+    return shipped_math_world("chains")
 
 
 @pytest.fixture(scope="session")
 def tools_dir() -> str:
-    """The tool world shipped in worlds/ (agentic_grpo.py's), checked as the others are."""
-    import tiny_world
-
-    tiny_world.tools_world(tiny_world.SHIPPED["tools"])
-    return tiny_world.SHIPPED["tools"]
+    """The tool world (agentic_grpo.py's)."""
+    return shipped_math_world("tools")
 
 
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> str:
-    """The GSM8k miniature shipped in worlds/, checked as the TL;DR world is."""
-    import tiny_world
-
-    tiny_world.gsm8k_world(tiny_world.SHIPPED["gsm8k"])
-    return tiny_world.SHIPPED["gsm8k"]
+    """The GSM8k miniature."""
+    return shipped_math_world("gsm8k")
 
 
 def run_in_process(script: str, *flags: str, capsys) -> tuple[int, str]:

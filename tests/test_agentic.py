@@ -155,8 +155,7 @@ def test_token_in_token_out_masks_and_the_bound_in_flight(tools_dir, tokenizer, 
                     continue
                 answer, turn = tokenizer.decode(response[start:end]), tokenizer.decode(response[turn_start:start])
                 turn_start = end
-                expected = tiny_world.calculator(turn.rsplit(tiny_world.CALL, 1)[-1].removesuffix(
-                    tiny_world.END_CALL)) if tiny_world.CALL in turn else None
+                expected = tiny_world.call_result(turn)
                 assert response[start:end] == tokenizer.encode(answer, add_special_tokens=False)
                 if expected is None:
                     outcomes["malformed"] += answer == " = error\n"

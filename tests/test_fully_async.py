@@ -257,7 +257,7 @@ def a_real_batch(chains_dir: str, tmp_path, **overrides) -> tuple:
     args = fa.resolve_args(fa.Args(model="tiny", **{**fa.TINY_DEFAULTS, "batch_size": 8, "num_samples": 4,
                                                      "per_device_train_batch_size": 4, **overrides},
                                    output_dir=str(tmp_path)))
-    sft, data, _ = fa.tiny_world.chains_world(chains_dir)
+    sft, data, _ = fa.tiny_world.math_world(chains_dir, "chains")
     tokenizer = AutoTokenizer.from_pretrained(sft)
     rows = [json.loads(line) for line in open(os.path.join(data, "train.jsonl"))][:8]
     run = core.Run(torch.device("cpu"), torch.autocast("cpu", enabled=False), *core.special_ids(tokenizer))

@@ -140,7 +140,7 @@ def test_the_tool_worlds_sft_policy_calls_the_tool_and_solves_what_its_report_sa
     episodes taking more than one turn. The problems are chains with other people's moves woven in: a question of
     more than one step names another person about as often as not (the policy must pick its chain's numbers)."""
     folder = tiny_world.SHIPPED["tools"]
-    sft, data, _ = tiny_world.tools_world(folder)
+    sft, data, _ = tiny_world.math_world(folder, "tools")
     rows = [json.loads(line) for line in open(os.path.join(data, "test.jsonl"))]
     longer = [r for r in rows if r["steps"] > 1]
     woven = [r for r in longer if len({w for w in r["question"].split() if w in tiny_world.MATH_NAMES}) > 1]
@@ -179,8 +179,7 @@ def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
         for key in ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             assert configs[0][key] == configs[1][key], (model, key)
     assert open(folder / "data" / "README.md").read() == open(os.path.join(shipped, "data", "README.md")).read()
-    world = {"tldr": tiny_world.tldr_world, "gsm8k": tiny_world.gsm8k_world, "chains": tiny_world.chains_world,
-             "tools": tiny_world.tools_world}[kind](str(folder))
+    world = tiny_world.tldr_world(str(folder)) if kind == "tldr" else tiny_world.math_world(str(folder), kind)
     assert world[-1] == tiny_world.file_hash(folder / tiny_world.CHECKSUMS) != tiny_world.check_world(shipped, kind)
 
 
