@@ -31,6 +31,7 @@ shorter changes them, and nothing here says whether a staleness hurts the object
 """
 import bisect
 import json
+import math
 import os
 import random
 import shlex
@@ -185,7 +186,8 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
     k, groups, inflight = setting.k, setting.groups, setting.inflight
     go = dict(max_staleness=k, groups_per_step=groups, stale_policy=setting.policy,
               max_in_flight=setting.room or (k + 1) * groups, inflight_updates=inflight)
-    engines = [dict(index=i, clock=0.0, loaded=0, running={}, idle=0.0, claimed=0) for i in range(setting.engines)]
+    engines = [dict(index=i, clock=0.0, loaded=0, running={}, idle=0.0, claimed=0, waiting=False)
+               for i in range(setting.engines)]
     engine_room = -(-go["max_in_flight"] // setting.engines)  # (each engine's share of the room, as the script's)
     next_group, finished, published = 0, [], [(0.0, 0, 0)]
     learner = dict(version=0, free_at=0.0, idle=0.0, batch=[], staleness=[], discarded=0, taken_from={},
@@ -193,7 +195,7 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
     finish_times, multi_version = [], []  # (every group's, in order: the queue's depth when each version is published)
     while learner["version"] < setting.steps:
         engine = min(engines, key=lambda e: e["clock"])
-        clock, running = engine["clock"], engine["running"]
+        clock, running, engine["waiting"] = engine["clock"], engine["running"], False
         learner_takes(learner, finished, clock, rates, setting, published)
         if learner["version"] >= setting.steps:
             break
@@ -206,6 +208,8 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
                 clock += rates["f"] * reread / speed
             for group in running.values():
                 group["versions"].add(engine["loaded"])
+            engine["clock"] = clock  # (the load took time: the engine acts again at its new clock, in clock order,
+            continue  # seeing what was published and taken meanwhile)
         still_running = [g["version"] for e in engines for g in e["running"].values()]
         still_running += [g["version"] for t, _, g in finished if t > clock]  # (ended at a later clock)
         oldest = min([engine["loaded"], *still_running])
@@ -221,12 +225,12 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
             next_group += 1
         if not running:  # idle until the learner publishes, or another engine's group ends (the bound may move)
             upcoming = [t for t, _, _ in published if t > clock] + [t for t, _, _ in finished if t > clock]
-            upcoming += [e["clock"] for e in engines if e is not engine and (e["running"] or e["clock"] > clock)]
+            upcoming += [e["clock"] for e in engines if e is not engine and (e["running"] or not e["waiting"])]
             if not upcoming:
                 raise RuntimeError(f"the stream deadlocks at {setting}")
-            wake = max(min(upcoming), clock + 1e-9)
-            engine["idle"] += wake - clock
-            engine["clock"] = wake
+            wake = max(min(upcoming), math.nextafter(clock, math.inf))  # (past a tie with a running one)
+            engine["idle"] += wake - clock  # (an engine waiting is no event for another: two would wake each other)
+            engine["clock"], engine["waiting"] = wake, True
             continue
         sequences = sum(sum(n > 0 for n in g["left"]) for g in running.values())
         clock += (rates["a"] + rates["b"] * sequences) / speed  # one engine step

@@ -3,6 +3,8 @@ workers can balance it against test_benchmarks.py): they run, produce their tabl
 model's simulation gives the answers worked by hand."""
 import json
 import os
+import random
+import signal
 
 import pytest
 from conftest import run_script
@@ -99,6 +101,31 @@ def test_the_capacity_model_with_two_engines_worked_by_hand():
     assert drop["seconds_a_step"] == pytest.approx(0.32, rel=0.1) and drop["generator_idle"] < 0.05
     assert pace["seconds_a_step"] > 1.5 * drop["seconds_a_step"] and pace["generator_idle"] > 0.3
     assert pace["staleness"] <= 2
+
+
+@pytest.mark.parametrize("case", ["idle engines", "long load"])
+def test_the_capacity_model_ends_whatever_the_fitted_rates(case):
+    """Rates a noisy pilot fit can give (a coefficient fitted to 0, a load of seconds) with several engines: the
+    simulation ends with the bound kept. Before the fix, two idle engines woke each other a nanosecond apart forever
+    (`idle engines`: capacity.py --quick hung in CI this way), and an engine that spent 24 s loading admitted by the
+    versions published before its load and reported a deadlock (`long load`)."""
+    rates, engines, learner_speed = {
+        "idle engines": (dict(a=0.01, b=0.0005, c=0.1, f=0.0, d=0.0, e=0.0, p=0.0003), 6, 2.0),
+        "long load": (dict(a=0.015, b=0.0, c=24.0, f=0.035, d=0.0, e=0.001, p=0.0), 2, 6.0)}[case]
+    draw = random.Random(1)
+    groups = [(draw.randint(10, 30), [draw.choice([3, 8, 15, 20, 40, 80]) for _ in range(4)]) for _ in range(50)]
+    def hang(*_):
+        raise TimeoutError(f"the simulation ({case}) has not ended in 60 s")
+
+    signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)  # (a hang fails the test, not the suite)
+    try:
+        for seed in range(3):
+            result = capacity.simulate({**rates, "groups": groups, "num_samples": 4}, capacity.Setting(
+                2, 16, engines=engines, engine_speed=1.0, learner_speed=learner_speed), seed=seed)
+            assert result["staleness"] <= 2 and result["seconds_a_step"] > 0
+    finally:
+        signal.alarm(0)
 
 
 def test_padded_tokens_are_what_the_learner_computes():
