@@ -132,6 +132,10 @@ def measure_rates(pilots: list) -> dict:
     c, f, a, b = nonnegative_fit(np.array(generator_x), np.array(generator_y))
     d, e = nonnegative_fit(np.array(update_x), np.array(update_y))
     _, p = nonnegative_fit(np.array(proximal_x), np.array(proximal_y))
+    if not (a or b) or not (d or e):  # (the split table divides by each side's time)
+        raise SystemExit(f"the pilots in {os.path.dirname(pilots[0][0])} fit no cost a token for the "
+                         f"{'generator' if not (a or b) else 'learner'}: too few or too noisy steps; remove the "
+                         "pilot_* folders and run again, with more --pilot_steps")
 
     def error(x: list, y: list, coefficients: list) -> float:  # mean |fit - measured| / measured
         return float(np.mean(np.abs(np.array(x) @ np.array(coefficients) - np.array(y)) / np.array(y)))
