@@ -42,7 +42,7 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 from off_policy import sweep_folder, train  # noqa: E402
-from stats import fmt, gap, mean_and_stderr  # noqa: E402
+from stats import fmt, gap, holm_line, mean_and_stderr  # noqa: E402
 
 import tiny_world  # noqa: E402
 from plumbing import metrics  # noqa: E402
@@ -179,6 +179,33 @@ def report_matched_kl(curves: dict, rows: dict, args: Args) -> None:
                 print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def report_t_contrasts(curves: dict, args: Args) -> None:
+    """Generation-bound: each T > 1 against T = 1, paired by seed on the t threshold: the final win rate, the seconds
+    and the episodes to the threshold, and the run's whole wall clock."""
+    def values(t: int, key: str) -> list:
+        runs = [curves["generation-bound", f"T = {t}", s] for s in args.seeds]
+        if key in ("seconds", "episodes"):
+            return [first_reach(r, args.threshold, key) for r in runs]
+        return [r[key] for r in runs]
+
+    keys = {"final": 3, "seconds": 1, "episodes": 0, "total": 1}  # (digits)
+    print(f"\nThe T contrasts (generation-bound, paired by seed; to {args.threshold}: the first evaluation at or "
+          "above it):\n\n| contrast | final gold win rate | seconds to threshold | episodes to threshold | whole run, "
+          "seconds |\n|---|---|---|---|---|")
+    judgements = []
+    for t in [t for t in args.t_values if t != 1]:
+        cells = []
+        for key, digits in keys.items():
+            x, y = values(t, key), values(1, key)
+            if None in x + y:
+                cells.append("not reached by every seed")
+                continue
+            judgements.append((f"T = {t} - T = 1, {key}", gap(x, y, digits, interval=True)))
+            cells.append(judgements[-1][1]["text"])
+        print(f"| T = {t} - T = 1 | " + " | ".join(cells) + " |")
+    print(f"\n{holm_line(judgements)}")
+
+
 def report_k_control(curves: dict, args: Args) -> None:
     """The 2 x 2 of K and the schedule (async), each contrast paired by seed on the t threshold: K's effect at each
     schedule, the schedule's at each K, and the paper's pair."""
@@ -197,12 +224,18 @@ def report_k_control(curves: dict, args: Args) -> None:
     print(f"\nThe K control (async, paired by seed; time to {args.training_bound_threshold} in seconds):\n\n"
           "| contrast | final gold win rate | time to threshold | perplexity | first step's margin | median margin |\n"
           "|---|---|---|---|---|---|")
+    judgements = []
     for name, a, b in contrasts:
         cells = []
         for key in keys:
             x, y = values(a, key), values(b, key)
-            cells.append("not reached by every seed" if None in x + y else gap(x, y)["text"])
+            if None in x + y:
+                cells.append("not reached by every seed")
+                continue
+            judgements.append((f"{name}, {key}", gap(x, y)))
+            cells.append(judgements[-1][1]["text"])
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print(f"\n{holm_line(judgements)}")
 
 
 if __name__ == "__main__":
@@ -270,6 +303,8 @@ if __name__ == "__main__":
               f"{fmt([r['total'] for r in runs], 0)} s | {fmt_reach(runs, threshold, 'seconds', ' s')} | "
               f"{fmt_reach(runs, threshold, 'episodes')} |")
     report_matched_kl(curves, rows, args)
+    if 1 in args.t_values and len(args.t_values) > 1:
+        report_t_contrasts(curves, args)
     if args.k_control:
         report_k_control(curves, args)
     print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min")

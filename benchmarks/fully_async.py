@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fully_async_demo import histogram  # noqa: E402
 from fully_async_demo import run as run_once  # noqa: E402
-from stats import fmt, gap  # noqa: E402
+from stats import fmt, gap, holm_line  # noqa: E402
 
 B = 16  # groups a step (the demo's)
 
@@ -122,9 +122,11 @@ def sweep(configs: dict, seeds: list, args: Args) -> dict:
     return results
 
 
-def paired(values: list[float], baseline: list[float]) -> str:
-    """The per-seed difference, mean ± s.e., its t and the verdict at the two-sided 95% threshold."""
-    return gap(values, baseline)["text"]
+def paired(values: list[float], baseline: list[float], family: list, label: str) -> str:
+    """The per-seed difference, mean ± s.e., its t and the verdict at the two-sided 95% threshold; kept in `family`
+    under `label` for the table's Holm line."""
+    family.append((label, gap(values, baseline)))
+    return family[-1][1]["text"]
 
 
 def final(runs: dict) -> list[float]:
@@ -146,13 +148,14 @@ def report_schedules(results: dict) -> None:
           "mean ± s.e. over seeds):")
     base = next(iter(results.values()))
     print(f"   SFT policy: {fmt([evals[0]['eval/pass_at_1'] for _, evals, _ in base.values()])}")
-    sync, demo = results.get("k = 0 (synchronous)"), results.get("k = 2, pace")
+    sync, demo, family = results.get("k = 0 (synchronous)"), results.get("k = 2, pace"), []
     for name, runs in results.items():
         steps = [s for s, _, _ in runs.values()]
         seconds = [s[-1]["time/elapsed"] for s in steps]
         discarded = sum(s[-1]["rollouts/discarded_total"] for s in steps)
         accepted = sum(s[-1]["rollouts/accepted_total"] for s in steps)
-        gain = paired(final(runs), [evals[0]["eval/pass_at_1"] for _, evals, _ in runs.values()])
+        gain = paired(final(runs), [evals[0]["eval/pass_at_1"] for _, evals, _ in runs.values()], family,
+                      f"{name}: gain")
         lengths = "/".join(f"{pooled(runs, 'length/' + q):.0f}" for q in ("p50", "p90", "p99"))
         print(f"   {name:<36} pass@1 {fmt(final(runs))}, gain {gain}")
         print(f"   {'':<36} {statistics.mean(seconds):.0f} s of training; idle: learner "
@@ -163,16 +166,20 @@ def report_schedules(results: dict) -> None:
               f"completions over 2+ versions {pooled(runs, 'inflight/multi_version_fraction'):.0%}; length "
               f"p50/p90/p99 {lengths}")
         if sync is not None and runs is not sync:
-            print(f"   {'':<36} against k = 0: pass@1 {paired(final(runs), final(sync))}; seconds "
-                  f"{paired(seconds, [s[-1]['time/elapsed'] for s, _, _ in sync.values()])}")
+            sync_seconds = [s[-1]["time/elapsed"] for s, _, _ in sync.values()]
+            print(f"   {'':<36} against k = 0: pass@1 {paired(final(runs), final(sync), family, f'{name} - k = 0')}"
+                  f"; seconds {paired(seconds, sync_seconds, family, f'{name} - k = 0, seconds')}")
         if demo is not None and runs is not demo and runs is not sync:
-            print(f"   {'':<36} against k = 2, pace (the demo's): pass@1 {paired(final(runs), final(demo))}")
+            print(f"   {'':<36} against k = 2, pace (the demo's): pass@1 "
+                  f"{paired(final(runs), final(demo), family, f'{name} - k = 2, pace')}")
+    print(f"   {holm_line(family)}")
 
 
 def report_objectives(objectives: dict, schedules: dict) -> None:
     print("\n2. Naive (--proximal behaviour: the clip against the sampler) against decoupled (recompute: the clip "
           "against the learner at the batch's start, the sampler's weight truncated), with one optimizer step a batch "
           "(m = 1) and two (m = 2), final pass@1, mean ± s.e.:")
+    family = []
     for k in (2, 4, 8):
         runs = {name: {**schedules, **objectives}.get(name) for name in (
             f"k = {k}, pace", f"k = {k}, pace, naive", f"k = {k}, pace, m = 2", f"k = {k}, pace, naive, m = 2")}
@@ -181,12 +188,16 @@ def report_objectives(objectives: dict, schedules: dict) -> None:
             parts = [f"{objective} {fmt(final(runs))} (clip fraction {pooled(runs, 'policy/clipfrac'):.1e})"
                      for objective, runs in pair.items() if runs]
             if pair["naive"] and pair["decoupled"]:
-                parts.append(f"naive - decoupled {paired(final(pair['naive']), final(pair['decoupled']))}")
+                label = f"k = {k}, m = {m}: naive - decoupled"
+                naive_gap = paired(final(pair["naive"]), final(pair["decoupled"]), family, label)
+                parts.append(f"naive - decoupled {naive_gap}")
             if parts:
                 print(f"   k = {k}, m = {m}: " + "; ".join(parts))
         if decoupled and decoupled2:
-            print(f"   k = {k}, decoupled, m = 2 - m = 1: {paired(final(decoupled2), final(decoupled))}; seconds "
-                  f"{paired(seconds(decoupled2), seconds(decoupled))}")
+            print(f"   k = {k}, decoupled, m = 2 - m = 1: "
+                  f"{paired(final(decoupled2), final(decoupled), family, f'k = {k}: m = 2 - m = 1')}; seconds "
+                  f"{paired(seconds(decoupled2), seconds(decoupled), family, f'k = {k}: m = 2 - m = 1, seconds')}")
+    print(f"   {holm_line(family)}")
 
 
 def seconds(runs: dict) -> list[float]:
@@ -196,7 +207,7 @@ def seconds(runs: dict) -> list[float]:
 def report_inflight(results: dict) -> None:
     print(f"\n3. In flight against drain-then-reload at the setting the capacity model chose (k = 2, B = {DESIGN_B}; "
           "each seed's runs back to back):")
-    drain = results.get("designed, drain then reload")
+    drain, family = results.get("designed, drain then reload"), []
     for name, runs in results.items():
         per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in runs.values()]
         line = (f"   {name:<40} {statistics.mean(per_step):.3f} s a step; idle: learner "
@@ -209,8 +220,9 @@ def report_inflight(results: dict) -> None:
             drain_per_step = [s[-1]["time/elapsed"] / len(s) for s, _, _ in drain.values()]
             speedups = [d / p for d, p in zip(drain_per_step, per_step)]
             line += f"\n   {'':<40} speed-up over drain-then-reload {fmt(speedups)}x; seconds a step " \
-                    f"{paired(per_step, drain_per_step)}"
+                    f"{paired(per_step, drain_per_step, family, name)}"
         print(line)
+    print(f"   {holm_line(family)}")
 
 
 def training_seconds(evals: list) -> list[float]:
@@ -252,9 +264,11 @@ def report_to_target(results: dict) -> None:
     print(f"   speed-up to the target: {fmt([r for r in reached if r])}x over the seeds that reached it"
           + (f"; {missed} of {len(reached)} never did: inconclusive" if missed else ""))
     own, theirs = ([training_seconds(runs[seed][1])[-1] for seed in one_step] for runs in (one_step, streaming))
+    family = []
     print(f"   the same {len(one_step[next(iter(one_step))][0])} steps: seconds of training, streaming - one-step "
-          f"{paired(theirs, own)} ({statistics.mean(own) / statistics.mean(theirs):.2f}x); final pass@1 "
-          f"{paired(final(streaming), final(one_step))}")
+          f"{paired(theirs, own, family, 'seconds')} ({statistics.mean(own) / statistics.mean(theirs):.2f}x); final "
+          f"pass@1 {paired(final(streaming), final(one_step), family, 'pass@1')}")
+    print(f"   {holm_line(family)}")
 
 
 def plot(results: dict, path: str) -> None:

@@ -3,8 +3,9 @@ synchronous schedule (`gsm8k_async_dpo.py --sync`), same seeds, steps and hyperp
 
 Prints, per schedule over the seeds, greedy pass@1 before and after on both evaluation splits (new problems over
 seen facts, and unseen facts), the mean gain with its standard error over seeds, the training wall-clock time, the
-async - sync gap in pass@1 after training and the speed-up of async over sync; saves the plot of pass@1 against
-wall-clock time (the paper's GSM8k figure).
+async - sync gap in pass@1 after training (with its 95% interval) and the speed-up of async over sync, each
+schedule's phase times and the speed-up with sync's training phase rescaled to async's; saves the plot of pass@1
+against wall-clock time (the paper's GSM8k figure).
 
     python benchmarks/gsm8k_async_vs_sync.py            # 3 seeds x (async, sync): ~25 minutes on 2 cores
     python benchmarks/gsm8k_async_vs_sync.py --quick    # one seed, short runs, for CI
@@ -24,9 +25,10 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 from off_policy import sweep_folder  # noqa: E402
-from stats import fmt, gap  # noqa: E402
+from stats import fmt, gap, holm_line  # noqa: E402
 
 import tiny_world  # noqa: E402
+from plumbing import metrics  # noqa: E402
 
 SPLITS = {"eval/pass_at_1": "new problems, seen facts", "eval/test_unseen_facts/pass_at_1": "unseen facts"}
 
@@ -68,7 +70,26 @@ def run(args: Args, seed: int, sync: bool, output_dir: str) -> dict:
     records = [json.loads(line) for line in open(metrics_path)]
     steps = [r for r in records if "loss/dpo" in r]
     return dict(evals=[r for r in records if "eval/pass_at_1" in r], train_seconds=steps[-1]["time/elapsed"],
-                staleness=sorted({r["staleness"] for r in steps}))
+                staleness=sorted({r["staleness"] for r in steps}), phases=metrics.round_means(records),
+                rounds=len(steps))
+
+
+def report_phases(runs: dict, seeds: list[int]) -> None:
+    """Each schedule's seconds a round generating and training (rounds after the first), and the speed-up with
+    sync's training phase rescaled to async's seed by seed: how much of it the overlap alone explains."""
+    print("\nPhase times, seconds a round (rounds after the first; mean ± s.e. over seeds):")
+    print("| schedule | generating | training | waiting for the batch |\n|---|---|---|---|")
+    for schedule in ("async", "sync"):
+        phases = [runs[schedule, s]["phases"] for s in seeds]
+        print(f"| {schedule} | {fmt([p['generating'] for p in phases])} | {fmt([p['training'] for p in phases])} | "
+              f"{fmt([p['learner_wait'] for p in phases])} |")
+    slower = [runs["sync", s]["phases"]["training"] / runs["async", s]["phases"]["training"] - 1 for s in seeds]
+    rescaled = [(runs["sync", s]["train_seconds"] - runs["sync", s]["rounds"] * (
+        runs["sync", s]["phases"]["training"] - runs["async", s]["phases"]["training"]))
+        / runs["async", s]["train_seconds"] for s in seeds]
+    print("sync's training phase against async's, per seed: " + ", ".join(f"{x:+.1%}" for x in slower)
+          + f"; the speed-up with sync's training rescaled to async's: {fmt(rescaled, 2)} (per seed "
+          + ", ".join(f"{x:.2f}" for x in rescaled) + ")")
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
@@ -102,12 +123,24 @@ if __name__ == "__main__":
             before = [runs[schedule, s]["evals"][0][key] for s in args.seeds]
             print(f"| {schedule} | {split} | {fmt(before)} | {fmt(after[schedule, key])} | "
                   f"{gap(after[schedule, key], before)['text']} | {fmt(seconds, 1)} s |")
+    judgements = [(f"{schedule} gain, {split}", gap(after[schedule, key], [runs[schedule, s]["evals"][0][key]
+                                                                           for s in args.seeds]))
+                  for schedule in ("async", "sync") for key, split in SPLITS.items()]
     for key, split in SPLITS.items():
-        print(f"async - sync, pass@1 after, {split} (paired by seed): "
-              f"{gap(after['async', key], after['sync', key])['text']}")
+        judgements.append((f"async - sync, {split}", gap(after["async", key], after["sync", key], interval=True)))
+        print(f"async - sync, pass@1 after, {split} (paired by seed): {judgements[-1][1]['text']}")
+    seen, unseen = SPLITS  # (does RL sharpen what the policy knows more than it teaches new facts?)
+    for schedule in ("async", "sync"):
+        gains = {key: [runs[schedule, s]["evals"][-1][key] - runs[schedule, s]["evals"][0][key] for s in args.seeds]
+                 for key in SPLITS}
+        judgements.append((f"{schedule}, gain on seen - unseen facts", gap(gains[seen], gains[unseen])))
+        print(f"{schedule}, gain on seen facts - gain on unseen facts (paired by seed): {judgements[-1][1]['text']}")
+    print(holm_line(judgements))
     speedups = [runs["sync", s]["train_seconds"] / runs["async", s]["train_seconds"] for s in args.seeds]
     print(f"\nspeed-up of async over sync (sync time / async time): {fmt(speedups, 2)}; per seed "
           + ", ".join(f"{x:.2f}" for x in speedups) + " (the paper: 218 / 129 min = 1.69)")
+    if all(runs[key]["phases"] for key in runs):
+        report_phases(runs, args.seeds)
 
     import matplotlib
 

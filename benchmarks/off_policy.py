@@ -44,7 +44,7 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
-from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stderr, recovered, unpaired_gap  # noqa: E402
+from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, holm_line, mean_and_stderr, recovered, unpaired_gap  # noqa: E402
 
 import tiny_world  # noqa: E402
 
@@ -130,8 +130,9 @@ def train(script: str, flags: list[str], output_dir: str, num_steps: int, label:
 
 
 def read_run(output_dir: str) -> dict:
-    """A run's final evaluation, the staleness and mean lag of its steps, and its time from the first step to the
-    final evaluation (time/elapsed)."""
+    """A run's final evaluation, the staleness and mean lag of its steps, its last step's KL to the SFT policy
+    (`objective/kl`, where the script logs it), and its time from the first step to the final evaluation
+    (time/elapsed)."""
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     evals = [r for r in records if "eval/gold_win_rate" in r]
     steps = [r for r in records if "staleness" in r]
@@ -142,7 +143,8 @@ def read_run(output_dir: str) -> dict:
     return dict(sft=evals[0], final=evals[-1], staleness=[r["staleness"] for r in steps], weights=weights,
                 ties=statistics.mean(ties) if ties else None, reward_eighths=eighths,
                 lag=statistics.mean(r["lag/kl"] for r in steps),
-                update=statistics.mean(r["lag/update"] for r in steps), seconds=evals[-1]["time/elapsed"])
+                update=statistics.mean(r["lag/update"] for r in steps), seconds=evals[-1]["time/elapsed"],
+                kl=steps[-1].get("objective/kl"))
 
 
 def ties_of(seeds: list[dict]) -> str:
@@ -159,14 +161,17 @@ def report_drops(table: dict, first_n: int, last_n: int) -> None:
         return
     drops = {rule: [x - y for x, y in zip(table[rule[0], last_n, rule[1]]["gold win rate"],
                                           table[rule[0], first_n, "plain"]["gold win rate"])] for rule in rules}
-    first = rules[0]
+    first, judgements = rules[0], []
     print(f"\nThe drop in gold win rate from N = {first_n} to N = {last_n} (paired by seed), and each rule's drop "
           f"against {first[0]}'s (Welch):\n\n| rule | drop | against {first[0]} |\n|---|---|---|")
     for (algorithm, variant), drop in drops.items():
         base = table[algorithm, first_n, "plain"]["gold win rate"]
-        against = "" if (algorithm, variant) == first else unpaired_gap(drop, drops[first])["text"]
-        drop_text = gap(table[algorithm, last_n, variant]["gold win rate"], base)["text"]
-        print(f"| {algorithm}{VARIANTS[variant][1]} | {drop_text} | {against} |")
+        against = None if (algorithm, variant) == first else unpaired_gap(drop, drops[first])
+        drop_gap = gap(table[algorithm, last_n, variant]["gold win rate"], base)
+        name = f"{algorithm}{VARIANTS[variant][1]}"
+        judgements += [(f"{name} drop", drop_gap)] + ([(f"{name} - {first[0]}", against)] if against else [])
+        print(f"| {name} | {drop_gap['text']} | {against['text'] if against else ''} |")
+    print(f"\n{holm_line(judgements)}")
 
 
 def report_dips(runs: dict, points: list[tuple], seeds: list[int]) -> None:
@@ -190,13 +195,16 @@ def report_corrections(table: dict, variants: list[tuple], first_n: int) -> None
     print(f"\nThe corrections against the uncorrected run at the same N (paired by seed) and the share of the loss "
           f"from N = {first_n} to that N they win back (recovered):")
     print("\n| rule | N | metric | uncorrected | corrected | gap | recovered |\n|---|---|---|---|---|---|---|")
+    judgements = []
     for algorithm, n, variant in rows:
         for metric in ("gold win rate", "gold score"):
             plain, values = table[algorithm, n, "plain"][metric], table[algorithm, n, variant][metric]
             reference = table.get((algorithm, first_n, "plain"))
             share = fmt_share(recovered(values, plain, reference[metric]), "no loss") if reference else ""
+            judgements.append((f"{algorithm}{VARIANTS[variant][1]} N = {n} {metric}", gap(values, plain)))
             print(f"| {algorithm}{VARIANTS[variant][1]} | {n} | {metric} | {fmt(plain)} | {fmt(values)} | "
-                  f"{gap(values, plain)['text']} | {share} |")
+                  f"{judgements[-1][1]['text']} | {share} |")
+    print(f"\n{holm_line(judgements)}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 from off_policy import sweep_folder, train  # noqa: E402
-from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, mean_and_stderr, unpaired_gap  # noqa: E402
+from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, holm_line, mean_and_stderr, unpaired_gap  # noqa: E402
 
 import tiny_world  # noqa: E402
 
@@ -94,29 +94,54 @@ def lag_matched_lr(lr: float, lag: float, target_lag: float) -> float:
 def report_size_statistic(results: dict, smallest: str, largest: str) -> None:
     """The statistic fixed before the runs: per seed, d = gold win rate at the largest N - at the smallest N (paired by
     seed), for every policy, reward and arm; each point's gain kept over its own SFT policy (scored on the same
-    prompts, with an interval that counts that baseline's error); and d_largest - d_smallest (Welch) in each arm."""
+    prompts, with an interval that counts that baseline's error); and d_largest - d_smallest (Welch) in each arm. The
+    same d on the gold score (continuous: it also sees how far a summary is from winning), beside it, not instead."""
     n_values = sorted({n for _, _, n, _ in results})
     if len(n_values) < 2:
         return
     first, last = n_values[0], n_values[-1]
-    finals = {key: [r["final"]["eval/gold_win_rate"] for r in rows] for key, rows in results.items()}
-    print(f"\nd = gold win rate at N = {last} - at N = {first}, paired by seed; gain kept at N = {last} over the "
-          "policy's own SFT (step 0, the same prompts), 95% interval\n\n| policy | reward | arm | d | gain kept |\n"
-          "|---|---|---|---|---|")
-    d = {}
+    metrics = {"win rate": "eval/gold_win_rate", "gold score": "eval/gold_reward"}
+    finals = {(metric, *key): [r["final"][name] for r in rows] for key, rows in results.items()
+              for metric, name in metrics.items()}
+    print(f"\nd = gold win rate (and gold score) at N = {last} - at N = {first}, paired by seed; gain kept at N = "
+          f"{last} over the policy's own SFT (step 0, the same prompts), 95% interval\n\n| policy | reward | arm | "
+          "SFT gold score | d, win rate | gain kept | d, gold score |\n|---|---|---|---|---|---|---|")
+    d, judgements = {}, []
     for policy, reward, n, arm in results:
         if n != last or (policy, reward, first, arm) not in results:
             continue
-        at_last, at_first = finals[policy, reward, last, arm], finals[policy, reward, first, arm]
-        d[policy, reward, arm] = [a - b for a, b in zip(at_last, at_first)]
+        gaps = {}
+        for metric in metrics:
+            at_last, at_first = finals[metric, policy, reward, last, arm], finals[metric, policy, reward, first, arm]
+            d[metric, policy, reward, arm] = [a - b for a, b in zip(at_last, at_first)]
+            gaps[metric] = gap(at_last, at_first)
+            judgements.append((f"d {metric}, {policy}, {reward}, {arm}", gaps[metric]))
         sft = [r["sft"] for r in results[policy, reward, first, arm]]
         baseline = statistics.mean(e["eval/gold_win_rate"] for e in sft)
-        kept = gain_kept(at_last, at_first, baseline, binomial_stderr(baseline, sft[0]["eval/num_prompts"]))
-        print(f"| {policy} | {reward} | {arm} | {gap(at_last, at_first)['text']} | {fmt_share(kept)} |")
-    for reward, arm in dict.fromkeys((reward, arm) for _, reward, arm in d):
-        if (largest, reward, arm) in d and (smallest, reward, arm) in d:
-            print(f"\nd_{largest} - d_{smallest} ({reward}, {arm}; the hypothesis predicts > 0): "
-                  f"{unpaired_gap(d[largest, reward, arm], d[smallest, reward, arm])['text']}")
+        kept = gain_kept(finals["win rate", policy, reward, last, arm], finals["win rate", policy, reward, first, arm],
+                         baseline, binomial_stderr(baseline, sft[0]["eval/num_prompts"]))
+        print(f"| {policy} | {reward} | {arm} | {fmt([e['eval/gold_reward'] for e in sft])} | "
+              f"{gaps['win rate']['text']} | {fmt_share(kept)} | {gaps['gold score']['text']} |")
+    for reward, arm in dict.fromkeys((reward, arm) for _, _, reward, arm in d):
+        for metric in metrics:
+            if (metric, largest, reward, arm) in d and (metric, smallest, reward, arm) in d:
+                between = unpaired_gap(d[metric, largest, reward, arm], d[metric, smallest, reward, arm])
+                judgements.append((f"d_{largest} - d_{smallest}, {metric}, {reward}, {arm}", between))
+                print(f"\nd_{largest} - d_{smallest} on the {metric} ({reward}, {arm}; the hypothesis predicts > 0): "
+                      f"{between['text']}")
+    print(f"\n{holm_line(judgements)}")
+
+
+def report_kl(results: dict) -> None:
+    """The KL to the SFT policy at each run's last step (`objective/kl`, the sampled estimate the scripts log; the
+    axis the paper's Figure 5 plots), by policy, reward and arm across N."""
+    n_values = sorted({n for _, _, n, _ in results})
+    print("\nKL(pi || pi_SFT) at the last step (`objective/kl`, mean ± s.e. over seeds):\n\n| policy | reward | arm | "
+          + " | ".join(f"N = {n}" for n in n_values) + " |\n|---|---|---|" + "---|" * len(n_values))
+    for policy, reward, arm in dict.fromkeys((p, r, a) for p, r, _, a in results):
+        kls = [[row["kl"] for row in results.get((policy, reward, n, arm), [])] for n in n_values]
+        cells = [fmt(values, 2) if values and None not in values else "" for values in kls]
+        print(f"| {policy} | {reward} | {arm} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
@@ -217,6 +242,7 @@ if __name__ == "__main__":
               f"{fmt([r['final']['eval/perplexity'] for r in rows], 2)} | {fmt([r['lag'] for r in rows], 4)} | "
               f"{fmt([r['update'] for r in rows], 5)} | {statistics.mean(r['seconds'] for r in rows):.0f} s |")
     report_size_statistic(results, smallest, largest)
+    report_kl(results)
     print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min")
 
     import matplotlib

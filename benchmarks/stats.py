@@ -2,9 +2,10 @@
 
 Seeds are few (three by default), so a mean's uncertainty is its standard error over seeds and a gap is judged
 against the two-sided 95% threshold of the t-distribution with seeds - 1 degrees of freedom (4.30 for three seeds),
-not against "2 standard errors". A share of two gains (a gain kept, a loss recovered) is a ratio of noisy figures:
-its interval comes from the delta method over every term that carries noise, the baseline's binomial error
-included, scaled by the same t threshold.
+not against "2 standard errors". A share of two gains (a gain kept, a loss recovered) is a ratio of noisy figures
+from the same seeds: its interval is Fieller's, over the seeds' paired numerators and denominators (the baseline's
+binomial error included), at the same t threshold; unbounded when the denominator itself is not told from 0. A table
+of many comparisons adds one line: which survive Holm's correction within the table (`holm_line`).
 """
 import math
 import statistics
@@ -41,15 +42,19 @@ def judged(mean: float, se: float, df: int, digits: int = 3, interval: bool = Fa
     """A gap's mean and standard error judged against the t threshold at `df` degrees of freedom: its t, the
     threshold, whether it passes, and the line the tables print (with its 95% interval if asked)."""
     if df < 1:
-        return dict(mean=mean, se=0.0, t=None, threshold=None, passes=False, text=f"{mean:+.{digits}f} (one seed)")
-    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0
+        return dict(mean=mean, se=0.0, t=None, df=df, threshold=None, passes=False,
+                    text=f"{mean:+.{digits}f} (one seed)")
     threshold = t_95(df)
+    if se <= 1e-9 * max(abs(mean), 1e-3):  # (no spread, to float precision: an infinite t would read as a finding)
+        return dict(mean=mean, se=0.0, t=None, df=df, threshold=threshold, passes=False,
+                    text=f"{mean:+.{digits}f} (the seeds did not vary: not judged)")
+    t = mean / se
     passes = abs(t) > threshold
     text = (f"{mean:+.{digits}f} ± {se:.{digits}f} (t = {t:.1f}, threshold {threshold:.2f}: "
             f"{'passes' if passes else 'inconclusive'}"
             + (f"; 95% interval {mean - threshold * se:+.{digits}f} to {mean + threshold * se:+.{digits}f}"
                if interval else "") + ")")
-    return dict(mean=mean, se=se, t=t, threshold=threshold, passes=passes, text=text)
+    return dict(mean=mean, se=se, t=t, df=df, threshold=threshold, passes=passes, text=text)
 
 
 def gap(values: list[float], baseline: list[float], digits: int = 3, interval: bool = False) -> dict:
@@ -68,41 +73,51 @@ def unpaired_gap(values: list[float], baseline: list[float], digits: int = 3) ->
     return judged(a - b, math.hypot(a_se, b_se), min(len(values), len(baseline)) - 1, digits, interval=True)
 
 
-def ratio_interval(numerator: float, denominator: float, gradients_and_errors: list[tuple[float, float]],
-                   df: int) -> Optional[tuple[float, float, float]]:
-    """numerator / denominator with a t-scaled delta-method interval: `gradients_and_errors` holds, for every
-    independent noisy term, the ratio's derivative by it and its standard error. None when the denominator is
-    not positive (no gain to take a share of)."""
-    if denominator <= 0:
+def fieller(numerators: list[float], denominators: list[float], common_se: float = 0.0) -> Optional[tuple]:
+    """mean(numerators) / mean(denominators), each seed's numerator and denominator a pair, with Fieller's 95%
+    interval: every ratio r at which mean(num - r den) is within the t threshold of 0, the variance of num - r den
+    taken over the seeds (so terms a seed shares are paired, not treated as independent), plus (1 - r)^2 common_se^2
+    for a baseline both subtract (its own binomial error). (value, low, high): low/high infinite when the
+    denominator is not told from 0 at 95%; None when its mean is not positive (no gain to take a share of); the
+    value alone (low = high) for one seed."""
+    n = len(numerators)
+    mean_num, mean_den = statistics.mean(numerators), statistics.mean(denominators)
+    if mean_den <= 0:
         return None
-    value = numerator / denominator
-    half = (t_95(df) if df >= 1 else 0.0) * math.sqrt(sum((g * e) ** 2 for g, e in gradients_and_errors))
-    return value, value - half, value + half
+    value = mean_num / mean_den
+    if n < 2:
+        return value, value, value
+    t2 = t_95(n - 1) ** 2
+
+    def covariance(x: list[float], y: list[float]) -> float:  # (of the means: over seeds, / n)
+        mx, my = statistics.mean(x), statistics.mean(y)
+        return sum((a - mx) * (b - my) for a, b in zip(x, y)) / (n - 1) / n
+
+    c2 = common_se ** 2  # (r^2 a - 2 r b + c <= 0: the ratios inside)
+    a = mean_den ** 2 - t2 * (covariance(denominators, denominators) + c2)
+    b = mean_num * mean_den - t2 * (covariance(numerators, denominators) + c2)
+    c = mean_num ** 2 - t2 * (covariance(numerators, numerators) + c2)
+    if a <= 0:
+        return value, -math.inf, math.inf
+    root = math.sqrt(max(b * b - a * c, 0.0))  # (the ratio itself is inside, so only rounding makes it negative)
+    return value, (b - root) / a, (b + root) / a
 
 
 def gain_kept(values: list[float], reference: list[float], baseline: float, baseline_se: float) -> Optional[tuple]:
     """The share of the reference's gain over the baseline that `values` keep: (mean(values) - b) /
     (mean(reference) - b), with b the baseline (the SFT policy, scored on the same prompts as the final
-    evaluations) and its binomial standard error; the interval carries both seed means' errors and b's."""
-    (x, x_se), (r, r_se) = mean_and_stderr(values), mean_and_stderr(reference)
-    kept, gain = x - baseline, r - baseline
-    if gain <= 0:
-        return None
-    # d/dx = 1/gain, d/dr = -kept/gain^2, d/db = (kept - gain)/gain^2
-    return ratio_interval(kept, gain, [(1 / gain, x_se), (-kept / gain ** 2, r_se),
-                                       ((kept - gain) / gain ** 2, baseline_se)], len(values) - 1)
+    evaluations) and its binomial standard error; seeds paired (Fieller's interval, `fieller`)."""
+    if len(values) != len(reference):
+        raise ValueError(f"a share is paired by seed: got {len(values)} and {len(reference)} seeds")
+    return fieller([x - baseline for x in values], [r - baseline for r in reference], baseline_se)
 
 
 def recovered(corrected: list[float], uncorrected: list[float], reference: list[float]) -> Optional[tuple]:
     """The share of the loss from the reference (N = 1) to the uncorrected run that the correction wins back:
-    (mean(corrected) - mean(uncorrected)) / (mean(reference) - mean(uncorrected)), with its interval."""
-    (c, c_se), (u, u_se), (r, r_se) = (mean_and_stderr(v) for v in (corrected, uncorrected, reference))
-    won, loss = c - u, r - u
-    if loss <= 0:
-        return None
-    # d/dc = 1/loss, d/du = (won - loss)/loss^2, d/dr = -won/loss^2
-    return ratio_interval(won, loss, [(1 / loss, c_se), ((won - loss) / loss ** 2, u_se), (-won / loss ** 2, r_se)],
-                          len(corrected) - 1)
+    (mean(corrected) - mean(uncorrected)) / (mean(reference) - mean(uncorrected)), seeds paired (`fieller`)."""
+    if not len(corrected) == len(uncorrected) == len(reference):
+        raise ValueError("a share is paired by seed: every side needs the same seeds")
+    return fieller([c - u for c, u in zip(corrected, uncorrected)], [r - u for r, u in zip(reference, uncorrected)])
 
 
 def fmt_share(share: Optional[tuple], none: str = "no gain") -> str:
@@ -110,6 +125,8 @@ def fmt_share(share: Optional[tuple], none: str = "no gain") -> str:
     if share is None:
         return none
     value, low, high = share
+    if math.isinf(high - low):
+        return f"{value:.0%} (unbounded: what it divides by is not told from 0)"
     return f"{value:.0%} ({low:.0%} to {high:.0%})" if high > low else f"{value:.0%}"
 
 
@@ -138,3 +155,15 @@ def holm(p_values: list[float], level: float = 0.05) -> list[bool]:
             break
         survives[i] = True
     return survives
+
+
+def holm_line(comparisons: list[tuple[str, dict]], what: str = "comparisons") -> str:
+    """One line for a table of (label, `judged` result) rows: which survive Holm's correction at 5% family-wise
+    within the table (comparisons not judged, one seed or no spread, count with p = 1)."""
+    judgeable = [(label, r) for label, r in comparisons if r["t"] is not None]
+    if not judgeable:
+        return f"Holm within this table: no {what} judged"
+    survive = holm([p_value(r["t"], r["df"]) for _, r in comparisons])
+    kept = [label for (label, _), ok in zip(comparisons, survive) if ok]
+    return (f"Holm within this table ({len(comparisons)} {what}, 5% family-wise): "
+            + (f"{len(kept)} survive{'s' if len(kept) == 1 else ''}: {'; '.join(kept)}" if kept else "none survives"))

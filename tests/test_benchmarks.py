@@ -13,23 +13,44 @@ from benchmarks import stats
 
 
 def test_the_derived_figures_worked_by_hand():
-    """The benchmarks' statistics: a paired gap judged on the t threshold (4.30 for three seeds, not 2), and the
-    shares of a gain (kept, recovered) whose intervals carry the baseline's error too."""
+    """The benchmarks' statistics: a paired gap judged on the t threshold (4.30 for three seeds, not 2), a gap the
+    seeds agree on exactly not judged, and the shares of a gain (kept, recovered): Fieller's interval over the seeds'
+    pairs, whose ends are where the paired gap num - r den is exactly at the threshold, which holds 0 exactly when the
+    paired gap of the numerator is inconclusive, and is unbounded when the denominator's is."""
     assert stats.t_95(2) == 4.303 and stats.t_95(11) == 2.228 and stats.t_95(40) == 1.96
     # gaps 0.1, 0.2, 0.3: mean 0.2, s.e. 0.1 / sqrt(3), t = 3.46 < 4.30
     result = stats.gap([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
     assert result["t"] == pytest.approx(2 * math.sqrt(3)) and not result["passes"] and "inconclusive" in result["text"]
     assert stats.gap([0.5, 0.6, 0.7], [0.2, 0.21, 0.2])["passes"]
+    same = stats.gap([0.5] * 3, [0.4] * 3)  # (every seed +0.1: no spread, no t)
+    assert not same["passes"] and same["t"] is None and "the seeds did not vary" in same["text"]
     # unpaired: 0.6 - 0.4 with standard errors 0.1 / sqrt(3) each: s.e. 0.0816, t = 2.45 at 2 df
     unpaired = stats.unpaired_gap([0.5, 0.6, 0.7], [0.3, 0.4, 0.5])
     assert unpaired["t"] == pytest.approx(0.2 / math.sqrt(2 * 0.01 / 3)) and unpaired["threshold"] == 4.303
-    # kept: (0.6 - 0.4) / (0.8 - 0.4) = 0.5; the baseline's error alone: d/db = (0.2 - 0.4) / 0.4^2 = -1.25
-    value, low, high = stats.gain_kept([0.6] * 3, [0.8] * 3, 0.4, 0.02)
-    assert value == pytest.approx(0.5) and high - value == pytest.approx(4.303 * 1.25 * 0.02) == value - low
+    # kept: (0.6 - 0.4) / (0.85 - 0.4) = 0.444; at each end r of the interval, the paired gap (x - b) - r (ref - b)
+    # (the baseline's error carried as (1 - r) b) has t exactly 4.303
+    values, reference, baseline, baseline_se = [0.5, 0.6, 0.7], [0.75, 0.85, 0.95], 0.4, 0.02
+    value, low, high = stats.gain_kept(values, reference, baseline, baseline_se)
+    assert value == pytest.approx(0.2 / 0.45) and low < value < high
+    for r in (low, high):
+        terms = [(x - baseline) - r * (y - baseline) for x, y in zip(values, reference)]
+        spread = math.sqrt(stats.mean_and_stderr(terms)[1] ** 2 + ((1 - r) * baseline_se) ** 2)
+        assert abs(sum(terms) / 3) / spread == pytest.approx(4.303)
     assert stats.gain_kept([0.6] * 3, [0.4] * 3, 0.4, 0.02) is None  # no gain to keep a share of
+    assert stats.gain_kept([0.6] * 3, [0.8] * 3, 0.4, 0.0) == pytest.approx((0.5, 0.5, 0.5))  # (no spread: no width)
     # recovered: the corrected run wins back (0.5 - 0.4) of the loss (0.6 - 0.4): half
     assert stats.recovered([0.5] * 3, [0.4] * 3, [0.6] * 3)[0] == pytest.approx(0.5)
+    # wins 0.1, 0.05, 0.15 (t = 3.46: inconclusive) of losses 0.3, 0.35, 0.25: the interval holds 0
+    corrected, uncorrected, first = [0.5, 0.55, 0.45], [0.4, 0.5, 0.3], [0.7, 0.85, 0.55]
+    assert not stats.gap(corrected, uncorrected)["passes"]
+    assert stats.recovered(corrected, uncorrected, first)[1] < 0 < stats.recovered(corrected, uncorrected, first)[2]
+    # a loss of 0.01, -0.05, 0.10 (t = 0.6): the share's interval is unbounded
+    assert stats.recovered([0.5] * 3, [0.4] * 3, [0.41, 0.35, 0.5])[1:] == (-math.inf, math.inf)
     assert stats.fmt_share(None, "no loss") == "no loss" and stats.fmt_share((0.5, 0.4, 0.6)) == "50% (40% to 60%)"
+    assert "unbounded" in stats.fmt_share((0.5, -math.inf, math.inf))
+    # Holm within a table: t = 10, 5, 4 and 1 at 2 df (p 0.0099, 0.038, 0.057, 0.42): the first only survives
+    rows = [(f"row {t}", stats.judged(t * 0.01, 0.01, 2)) for t in (10, 5, 4, 1)] + [("row x", same)]
+    assert stats.holm_line(rows) == "Holm within this table (5 comparisons, 5% family-wise): 1 survives: row 10"
 
 
 def test_dpo_variants_worked_by_hand():
@@ -61,19 +82,23 @@ def test_the_size_statistic_worked_by_hand(capsys):
     size, its gain kept over the size's own SFT, and d_large - d_small with its t (Welch, 2 df)."""
     from benchmarks import scaling
 
-    def runs(wins: list, sft: float) -> list:
-        return [dict(final={"eval/gold_win_rate": w}, sft={"eval/gold_win_rate": sft, "eval/num_prompts": 512})
+    def runs(wins: list, sft: float) -> list:  # (the gold score: the win rate plus 0.1, the same d)
+        return [dict(final={"eval/gold_win_rate": w, "eval/gold_reward": w + 0.1},
+                     sft={"eval/gold_win_rate": sft, "eval/gold_reward": sft + 0.1, "eval/num_prompts": 512})
                 for w in wins]
     results = {("small", "small", 1, "default"): runs([0.5, 0.6, 0.7], 0.2),
-               ("small", "small", 64, "default"): runs([0.2, 0.3, 0.4], 0.2),  # d = -0.3 each: kept 0%
+               ("small", "small", 64, "default"): runs([0.2, 0.3, 0.4], 0.2),  # d = -0.3 each: kept 0.1 / 0.4
                ("large", "small", 1, "default"): runs([0.6, 0.6, 0.6], 0.3),
                ("large", "small", 64, "default"): runs([0.6, 0.5, 0.7], 0.3)}  # d = 0, -0.1, +0.1: kept 100%
     scaling.report_size_statistic(results, "small", "large")
     out = capsys.readouterr().out
-    assert "| small | small | default | -0.300 ± 0.000" in out and "| large | small | default | +0.000 ± 0.058" in out
-    assert "0% (" in out and "100% (" in out
-    # d_large - d_small = 0.3, s.e. 0.1 / sqrt(3) (d_small's spread is 0): t = 5.2 > 4.30
-    assert "d_large - d_small (small, default; the hypothesis predicts > 0): +0.300 ± 0.058 (t = 5.2" in out
+    assert "| small | small | default | 0.300 ± 0.000 | -0.300 (the seeds did not vary: not judged) | 25% (" in out
+    assert "| large | small | default | 0.400 ± 0.000 | +0.000 ± 0.058 (t = 0.0, threshold 4.30: inconclusive) " \
+           "| 100% (" in out
+    # d_large - d_small = 0.3, s.e. 0.1 / sqrt(3) (d_small's spread is 0): t = 5.2 > 4.30, on either metric
+    for metric in ("win rate", "gold score"):
+        assert (f"d_large - d_small on the {metric} (small, default; the hypothesis predicts > 0): +0.300 ± 0.058 "
+                "(t = 5.2") in out
     # the lag-matched arm's learning rate: a lag 4x the target's halves the step
     assert scaling.lag_matched_lr(1e-4, 0.04, 0.01) == pytest.approx(5e-5)
 
@@ -285,7 +310,8 @@ def test_scaling_quick(tiny_dir, sized_dir, tmp_path):
     assert [row[:4] for row in points] == [["| small", "gold", "tuned", "1"], ["| small", "gold", "tuned", "2"],
                                            ["| base", "gold", "tuned", "1"], ["| base", "gold", "tuned", "2"]]
     assert all(float(row[9].split(" ± ")[0]) > 0 and float(row[10].split(" ± ")[0]) > 0 for row in points)  # lags
-    assert "d_base - d_small (gold, tuned; the hypothesis predicts > 0): " in result.stdout
+    assert "d_base - d_small on the win rate (gold, tuned; the hypothesis predicts > 0): " in result.stdout
+    assert "Holm within this table" in result.stdout and "KL(pi || pi_SFT) at the last step" in result.stdout
     for name in ("scaling_by_n.png", "scaling_by_lag.png"):
         assert (tmp_path / name).stat().st_size > 1000
 
