@@ -207,11 +207,11 @@ def learning_table(folder: str, rank: int) -> None:
             (("lora", lora_runs), ("full", full_runs))}
     sft = [r["sft"]["eval/gold_win_rate"] for r in full_runs]
     print(f"\nTable 3b: gold win rate after 60 steps on seeds {', '.join(map(str, seeds))} (SFT {stats.fmt(sft)})")
-    print(f"  full fine-tuning (lr {FULL_LR:g}): {stats.fmt(gold['full'])}   gain over SFT "
-          f"{stats.gap(gold['full'], sft)['text']}")
-    print(f"  LoRA rank {rank} (lr {best:g}):      {stats.fmt(gold['lora'])}   gain over SFT "
-          f"{stats.gap(gold['lora'], sft)['text']}")
-    print(f"  LoRA - full: {stats.gap(gold['lora'], gold['full'])['text']}")
+    family = [("full - SFT", stats.gap(gold["full"], sft)), ("LoRA - SFT", stats.gap(gold["lora"], sft)),
+              ("LoRA - full", stats.gap(gold["lora"], gold["full"]))]
+    print(f"  full fine-tuning (lr {FULL_LR:g}): {stats.fmt(gold['full'])}   gain over SFT {family[0][1]['text']}")
+    print(f"  LoRA rank {rank} (lr {best:g}):      {stats.fmt(gold['lora'])}   gain over SFT {family[1][1]['text']}")
+    print(f"  LoRA - full: {family[2][1]['text']}\n  {stats.holm_line(family)}")
 
 
 if __name__ == "__main__":
