@@ -1,8 +1,9 @@
 """Pack a sweep's run folders into one small archive that the repository can keep, so that every figure a sweep
 printed (and any computed after it) can be recomputed from the runs themselves, without running them again.
 
-Each run keeps its metrics.jsonl, less the few sample summaries each evaluation prints (`eval/samples`) and with
-floats to 9 significant digits, and the small files a sweep marks a finished run with (`regime.txt`, `done`); a sweep
+Each run keeps its metrics.jsonl, less the sample summaries each evaluation prints (`eval/samples`) but the final
+evaluation's first SAMPLES_KEPT (so that what a run ended up writing can be read back), and with floats to 9
+significant digits, and the small files a sweep marks a finished run with (`regime.txt`, `done`); a sweep
 script pointed at the unpacked folder reads every finished run back instead of running it:
 
     python benchmarks/archive_runs.py benchmarks/runs/off_policy docs/runs/off_policy.tar.xz
@@ -16,6 +17,7 @@ import sys
 import tarfile
 
 MARKERS = ("regime.txt", "done")  # what fully_async.py and capacity.py read to tell a finished run
+SAMPLES_KEPT = 2
 
 
 def short(value):
@@ -35,8 +37,9 @@ def pack(runs_dir: str, archive: str) -> int:
     with tarfile.open(archive, "w:xz") as tar:
         for name in runs:
             records = [json.loads(line) for line in open(os.path.join(runs_dir, name, "metrics.jsonl"))]
-            text = "".join(json.dumps({k: short(v) for k, v in r.items() if k != "eval/samples"}) + "\n"
-                           for r in records)
+            last = max((i for i, r in enumerate(records) if "eval/samples" in r), default=None)
+            text = "".join(json.dumps({k: v[:SAMPLES_KEPT] if k == "eval/samples" else short(v) for k, v in r.items()
+                                       if k != "eval/samples" or i == last}) + "\n" for i, r in enumerate(records))
             data = text.encode()
             files = {"metrics.jsonl": data, **{marker: open(os.path.join(runs_dir, name, marker), "rb").read()
                                                 for marker in MARKERS if os.path.exists(os.path.join(runs_dir, name,

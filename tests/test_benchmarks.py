@@ -372,6 +372,9 @@ def test_compute_optimal_quick(tiny_dir, tmp_path):
     unpacked.mkdir()
     with tarfile.open(archive) as tar:
         tar.extractall(unpacked, filter="data")
+    for folder in (unpacked / "runs").iterdir():  # (the final evaluation's first two summaries kept, no other)
+        kept = [r.get("eval/samples") for r in map(json.loads, open(folder / "metrics.jsonl"))]
+        assert len(kept[-1]) == 2 and kept[-1][0]["response"] and not any(kept[:-1]), kept
     again = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir",
                        str(unpacked / "runs"), "--training_bound_lr", "1e-4",
                        script=os.path.join("benchmarks", "compute_optimal.py"))
