@@ -34,7 +34,7 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from stats import fmt, gap, holm, mean_and_stderr, p_value  # noqa: E402
+from stats import fmt, gap, holm_line, mean_and_stderr  # noqa: E402
 
 ARMS = {"turns": (), "atomic": ("--episode_atomic",), "first_turn": ("--behaviour_version", "first_turn")}
 TOOL = ("--tool_latency", "0.05", "--tool_latency_distribution", "lognormal")  # (the same in every run)
@@ -136,10 +136,7 @@ def report(results: dict, args: Args) -> None:
     print("\nthe pre-registered comparisons (paired by seed; t-distribution, two-sided 95%):")
     for label, result in comparisons:
         print(f"  {label:<34} {result['text']}")
-    survive = holm([p_value(r["t"], len(seeds) - 1) for _, r in comparisons])
-    kept = [label.strip() for (label, _), ok in zip(comparisons, survive) if ok]
-    print(f"  Holm over these {len(comparisons)} comparisons (5% family-wise): "
-          f"{', '.join(kept) if kept else 'none survives'}")
+    print(f"  {holm_line([(label.strip(), result) for label, result in comparisons])}")
 
 
 def plot(results: dict, args: Args, path: str) -> None:

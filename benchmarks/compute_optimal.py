@@ -179,6 +179,15 @@ def report_matched_kl(curves: dict, rows: dict, args: Args) -> None:
                 print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def contrast_cell(label: str, x: list, y: list, judgements: list, **options) -> str:
+    """A contrast table's cell: x - y paired by seed (`gap`'s options), kept in `judgements` for the table's Holm
+    line; or, where a seed never reached the threshold, saying so."""
+    if None in x + y:
+        return "not reached by every seed"
+    judgements.append((label, gap(x, y, **options)))
+    return judgements[-1][1]["text"]
+
+
 def report_t_contrasts(curves: dict, args: Args) -> None:
     """Generation-bound: each T > 1 against T = 1, paired by seed on the t threshold: the final win rate, the seconds
     and the episodes to the threshold, and the run's whole wall clock."""
@@ -194,14 +203,8 @@ def report_t_contrasts(curves: dict, args: Args) -> None:
           "seconds |\n|---|---|---|---|---|")
     judgements = []
     for t in [t for t in args.t_values if t != 1]:
-        cells = []
-        for key, digits in keys.items():
-            x, y = values(t, key), values(1, key)
-            if None in x + y:
-                cells.append("not reached by every seed")
-                continue
-            judgements.append((f"T = {t} - T = 1, {key}", gap(x, y, digits, interval=True)))
-            cells.append(judgements[-1][1]["text"])
+        cells = [contrast_cell(f"T = {t} - T = 1, {key}", values(t, key), values(1, key), judgements, digits=digits,
+                               interval=True) for key, digits in keys.items()]
         print(f"| T = {t} - T = 1 | " + " | ".join(cells) + " |")
     print(f"\n{holm_line(judgements)}")
 
@@ -226,14 +229,7 @@ def report_k_control(curves: dict, args: Args) -> None:
           "|---|---|---|---|---|---|")
     judgements = []
     for name, a, b in contrasts:
-        cells = []
-        for key in keys:
-            x, y = values(a, key), values(b, key)
-            if None in x + y:
-                cells.append("not reached by every seed")
-                continue
-            judgements.append((f"{name}, {key}", gap(x, y)))
-            cells.append(judgements[-1][1]["text"])
+        cells = [contrast_cell(f"{name}, {key}", values(a, key), values(b, key), judgements) for key in keys]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"\n{holm_line(judgements)}")
 

@@ -157,13 +157,12 @@ def holm(p_values: list[float], level: float = 0.05) -> list[bool]:
     return survives
 
 
-def holm_line(comparisons: list[tuple[str, dict]], what: str = "comparisons") -> str:
+def holm_line(comparisons: list[tuple[str, dict]]) -> str:
     """One line for a table of (label, `judged` result) rows: which survive Holm's correction at 5% family-wise
     within the table (comparisons not judged, one seed or no spread, count with p = 1)."""
-    judgeable = [(label, r) for label, r in comparisons if r["t"] is not None]
-    if not judgeable:
-        return f"Holm within this table: no {what} judged"
+    if all(r["t"] is None for _, r in comparisons):
+        return "Holm within this table: no comparisons judged"
     survive = holm([p_value(r["t"], r["df"]) for _, r in comparisons])
     kept = [label for (label, _), ok in zip(comparisons, survive) if ok]
-    return (f"Holm within this table ({len(comparisons)} {what}, 5% family-wise): "
+    return (f"Holm within this table ({len(comparisons)} comparisons, 5% family-wise): "
             + (f"{len(kept)} survive{'s' if len(kept) == 1 else ''}: {'; '.join(kept)}" if kept else "none survives"))
