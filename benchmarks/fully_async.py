@@ -122,10 +122,10 @@ def sweep(configs: dict, seeds: list, args: Args) -> dict:
     return results
 
 
-def paired(values: list[float], baseline: list[float], family: list, label: str) -> str:
-    """The per-seed difference, mean ± s.e., its t and the verdict at the two-sided 95% threshold; kept in `family`
-    under `label` for the table's Holm line."""
-    family.append((label, gap(values, baseline)))
+def paired(values: list[float], baseline: list[float], family: list, label: str, interval: bool = False) -> str:
+    """The per-seed difference, mean ± s.e., its t and the verdict at the two-sided 95% threshold (`interval`: its 95%
+    interval too); kept in `family` under `label` for the table's Holm line."""
+    family.append((label, gap(values, baseline, interval=interval)))
     return family[-1][1]["text"]
 
 
@@ -165,10 +165,16 @@ def report_schedules(results: dict) -> None:
               f"{pooled(runs, 'staleness/token_mean'):.2f}); discarded {discarded / (discarded + accepted):.0%}; "
               f"completions over 2+ versions {pooled(runs, 'inflight/multi_version_fraction'):.0%}; length "
               f"p50/p90/p99 {lengths}")
+        if runs is sync:  # what removing the learner's wait alone would make of k = 0's seconds
+            print(f"   {'':<36} without the learner's wait: 1 / (1 - learner idle) = "
+                  f"{1 / (1 - whole_run(runs, 'idle/learner_fraction')):.2f}x as fast")
         if sync is not None and runs is not sync:
             sync_seconds = [s[-1]["time/elapsed"] for s, _, _ in sync.values()]
-            print(f"   {'':<36} against k = 0: pass@1 {paired(final(runs), final(sync), family, f'{name} - k = 0')}"
-                  f"; seconds {paired(seconds, sync_seconds, family, f'{name} - k = 0, seconds')}")
+            print(f"   {'':<36} against k = 0: pass@1 "
+                  f"{paired(final(runs), final(sync), family, f'{name} - k = 0', interval=True)}"
+                  f"; seconds {paired(seconds, sync_seconds, family, f'{name} - k = 0, seconds')}; "
+                  f"{statistics.mean(sync_seconds) / statistics.mean(seconds):.2f}x as fast (by seed: "
+                  + ", ".join(f"{k0 / own:.2f}x" for k0, own in zip(sync_seconds, seconds)) + ")")
         if demo is not None and runs is not demo and runs is not sync:
             print(f"   {'':<36} against k = 2, pace (the demo's): pass@1 "
                   f"{paired(final(runs), final(demo), family, f'{name} - k = 2, pace')}")

@@ -141,6 +141,10 @@ def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
     assert [line.split(":")[0] for line in regimes] == ["async", "sync"], result.stdout
     for path, asynchronous in zip(paths, (True, False)):
         assert_timeline_ordered([json.loads(line) for line in open(path)], asynchronous, num_steps=6)
+    # (its --repeats, each configuration run again interleaved, was run by hand: docs/results.md; a bad count stops it
+    # before any run, naming the flag)
+    result = run_script("--repeats", "0", script=os.path.join("benchmarks", "async_vs_sync.py"))
+    assert result.returncode != 0 and "--repeats must be at least 1, got 0" in result.stderr, result.stderr[-3000:]
 
 
 GENERATOR, LEARNER = ("weight_load", "generation"), ("learner_wait", "weight_sync", "training")
