@@ -151,14 +151,14 @@ def report_schedules(results: dict) -> None:
     sync, demo, family = results.get("k = 0 (synchronous)"), results.get("k = 2, pace"), []
     for name, runs in results.items():
         steps = [s for s, _, _ in runs.values()]
-        seconds = [s[-1]["time/elapsed"] for s in steps]
+        run_seconds = seconds(runs)
         discarded = sum(s[-1]["rollouts/discarded_total"] for s in steps)
         accepted = sum(s[-1]["rollouts/accepted_total"] for s in steps)
         gain = paired(final(runs), [evals[0]["eval/pass_at_1"] for _, evals, _ in runs.values()], family,
                       f"{name}: gain")
         lengths = "/".join(f"{pooled(runs, 'length/' + q):.0f}" for q in ("p50", "p90", "p99"))
         print(f"   {name:<36} pass@1 {fmt(final(runs))}, gain {gain}")
-        print(f"   {'':<36} {statistics.mean(seconds):.0f} s of training; idle: learner "
+        print(f"   {'':<36} {statistics.mean(run_seconds):.0f} s of training; idle: learner "
               f"{whole_run(runs, 'idle/learner_fraction'):.2f}, generator "
               f"{whole_run(runs, 'idle/generator_fraction'):.2f}; staleness "
               f"{histogram([r for s in steps for r in s])} (tokens' mean "
@@ -169,12 +169,12 @@ def report_schedules(results: dict) -> None:
             print(f"   {'':<36} without the learner's wait: 1 / (1 - learner idle) = "
                   f"{1 / (1 - whole_run(runs, 'idle/learner_fraction')):.2f}x as fast")
         if sync is not None and runs is not sync:
-            sync_seconds = [s[-1]["time/elapsed"] for s, _, _ in sync.values()]
+            sync_seconds = seconds(sync)
             print(f"   {'':<36} against k = 0: pass@1 "
                   f"{paired(final(runs), final(sync), family, f'{name} - k = 0', interval=True)}"
-                  f"; seconds {paired(seconds, sync_seconds, family, f'{name} - k = 0, seconds')}; "
-                  f"{statistics.mean(sync_seconds) / statistics.mean(seconds):.2f}x as fast (by seed: "
-                  + ", ".join(f"{k0 / own:.2f}x" for k0, own in zip(sync_seconds, seconds)) + ")")
+                  f"; seconds {paired(run_seconds, sync_seconds, family, f'{name} - k = 0, seconds')}; "
+                  f"{statistics.mean(sync_seconds) / statistics.mean(run_seconds):.2f}x as fast (by seed: "
+                  + ", ".join(f"{k0 / own:.2f}x" for k0, own in zip(sync_seconds, run_seconds)) + ")")
         if demo is not None and runs is not demo and runs is not sync:
             print(f"   {'':<36} against k = 2, pace (the demo's): pass@1 "
                   f"{paired(final(runs), final(demo), family, f'{name} - k = 2, pace')}")
