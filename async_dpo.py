@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiny_world
 from plumbing import checkpoint, core, generator_io, launch, lora, metrics
-from plumbing.reward_models import load_reward_models
+from plumbing.reward_models import check_score_heads, load_reward_models
 
 TLDR_DATASET = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 PRESETS = {  # --model: (SFT policy, proxy reward model, dataset) on the Hugging Face hub
@@ -245,6 +245,7 @@ def resolve_args(args: Args) -> Args:
 
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     core.check_model_paths(args, "sft_model_path", "reward_model_path", "gold_reward_model_path")
+    check_score_heads(args, "reward_model_path", "gold_reward_model_path")  # (before vLLM starts)
     tokenizer = core.load_tokenizer(args.sft_model_path)  # (a chat dataset: formatted by its template)
     train_data, eval_data = core.load_prompt_splits(
         args.dataset, args.seed, names=("train", args.eval_split), tokenizer=tokenizer,

@@ -2,9 +2,12 @@
 policy's completions with a reward model whose tokenizer is not the policy's (their text,
 re-tokenised its own way)."""
 import functools
+import json
+import os
 from typing import Callable, Optional
 
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from plumbing.core import bos_prefix, fail, tokenize_prompts
@@ -30,15 +33,51 @@ def load_reward_models(args, tokenizer, splits: tuple, dtype: torch.dtype) -> di
     return models
 
 
+def check_score_heads(args, *flags: str) -> None:
+    """Each reward model named by `flags` has a trained `score` head, read from its checkpoint's
+    weight names before anything starts: a causal LM passed as one fails in seconds, not once vLLM
+    is up. A checkpoint whose names cannot be read so (a .bin file) is checked as it loads."""
+    for flag in flags:
+        path = getattr(args, flag)
+        names = weight_names(path) if path else None
+        if names is not None and not any(name.split(".")[-2:] == ["score", "weight"] for name in names):
+            tops = ", ".join(f"{top}.*" for top in sorted({name.split(".")[0] for name in names})[:4])
+            fail(f"--{flag} {path}: {NOT_A_REWARD_MODEL} (its weights: {tops}); {SAVE_AS_CLASSIFIER}")
+
+
+NOT_A_REWARD_MODEL = "not a reward model: the checkpoint has no trained `score` head"
+SAVE_AS_CLASSIFIER = "pass a model saved as a sequence classifier"
+
+
+def weight_names(path: str) -> Optional[list[str]]:
+    """The weight names of a checkpoint in safetensors (a local folder, or a hub model's file
+    headers), without loading a weight; None where they cannot be read so."""
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import get_safetensors_metadata
+
+            return list(get_safetensors_metadata(path).weight_map)
+        except Exception:  # offline, .bin weights: checked as it loads
+            return None
+    index, single = (os.path.join(folder, name) for name in ("model.safetensors.index.json", "model.safetensors"))
+    if os.path.exists(index):
+        with open(index) as f:
+            return list(json.load(f)["weight_map"])
+    if os.path.exists(single):
+        with safe_open(single, "pt") as f:
+            return list(f.keys())
+    return None
+
+
 def load_reward_model(flag: str, path: str, dtype: torch.dtype, device: torch.device):
     """A frozen 1-label classifier with a trained head (transformers would give an SFT checkpoint a
     random one), the head in float32 (in bfloat16, close scores tie)."""
     model, info = AutoModelForSequenceClassification.from_pretrained(
         path, dtype=dtype, num_labels=1, output_loading_info=True)
     if info["missing_keys"] or not hasattr(model, "score"):
-        fail(f"--{flag} {path}: not a reward model: the checkpoint has no trained `score` head "
-             f"(missing {sorted(info['missing_keys'])[:4]}); pass a model saved as a sequence "
-             f"classifier")
+        fail(f"--{flag} {path}: {NOT_A_REWARD_MODEL} (missing {sorted(info['missing_keys'])[:4]}); "
+             f"{SAVE_AS_CLASSIFIER}")
     model.score.float()
     model.retokenize = None  # reads the policy's token ids (load_reward_models may say otherwise)
     return model.to(device).eval().requires_grad_(False)

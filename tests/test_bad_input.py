@@ -65,13 +65,16 @@ def test_the_other_scripts_reject_bad_flags_early(tmp_path, script, flags, messa
     assert code == 2 and message in stderr, stderr
 
 
-def test_reward_model_without_a_score_head_is_rejected(tiny_dir, tmp_path):
-    """An SFT checkpoint passed as the reward model would get a random head and train against noise."""
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path),
-                        "--reward_model_path", os.path.join(tiny_dir, "sft"), timeout=180)
-    assert result.returncode == 2
-    assert "--reward_model_path" in result.stderr and "no trained `score` head" in result.stderr
-    assert "Traceback" not in result.stderr
+@pytest.mark.parametrize("script", ["async_dpo.py", "async_ppo.py", "async_rloo.py", "sync_baseline.py"])
+def test_reward_model_without_a_score_head_is_rejected_before_vllm_starts(script, tiny_dir, tmp_path, capsys):
+    """An SFT checkpoint passed as the reward model would get a random head and train against noise (PPO's value
+    model starts from it too). Its weight names are read at start-up, before the generator is spawned: the message
+    names what the checkpoint holds (the check made when the model loads, after vLLM's start, names what is
+    missing instead)."""
+    code, stderr = run_in_process(script, "--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path),
+                                  "--reward_model_path", os.path.join(tiny_dir, "sft"), capsys=capsys)
+    assert code == 2 and "--reward_model_path" in stderr and "no trained `score` head" in stderr, stderr
+    assert "(its weights: embed_out.*, gpt_neox.*)" in stderr, stderr
 
 
 def test_dataset_without_expected_columns_names_what_it_found(tmp_path, capsys):

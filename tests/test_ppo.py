@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import TORCHRUN_2, run_script
+from conftest import TORCHRUN_2
 from test_end_to_end import (
     EVAL_METRICS,
     SHORT_RUN,
@@ -221,8 +221,5 @@ def test_the_lag_update_is_the_policys_step_alone(tiny_dir, tmp_path):
     assert len(steps) == 1 and steps[0]["lag/update"] == pytest.approx(math.sqrt(sum(delta) / sum(norm)), rel=1e-4)
 
 
-def test_value_model_needs_a_reward_model_checkpoint(tiny_dir, tmp_path):
-    """The value model starts from --reward_model_path: an SFT checkpoint there is refused, not given a random head."""
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(tmp_path),
-                        "--reward_model_path", os.path.join(tiny_dir, "sft"), script="async_ppo.py", timeout=180)
-    assert result.returncode == 2 and "no trained `score` head" in result.stderr and "Traceback" not in result.stderr
+# (a value model started from an SFT checkpoint, --reward_model_path: refused before vLLM starts, as every reward
+# model is: test_bad_input.test_reward_model_without_a_score_head_is_rejected_before_vllm_starts)

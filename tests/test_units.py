@@ -1,4 +1,5 @@
 """Unit tests of the numerically delicate pieces of async_dpo.py, on the tiny models (no vLLM)."""
+import json
 import math
 import os
 import sys
@@ -25,7 +26,7 @@ from async_dpo import (
     write_weight_snapshot,
 )
 from plumbing import checkpoint, core, metrics
-from plumbing.reward_models import load_reward_model
+from plumbing.reward_models import check_score_heads, load_reward_model, weight_names
 
 EOS, PAD = 0, 0
 CPU = torch.device("cpu")
@@ -125,6 +126,31 @@ def test_a_checkpoint_without_a_trained_score_head_is_refused(tiny_dir, capsys):
         load_reward_model("reward_model_path", os.path.join(tiny_dir, "sft"), torch.float32, CPU)
     err = capsys.readouterr().err
     assert "--reward_model_path" in err and "score" in err
+
+
+def test_score_heads_are_read_from_the_weight_names_before_anything_loads(tiny_dir, tmp_path, capsys):
+    """check_score_heads, at start-up, reads a checkpoint's weight names (one safetensors file, or a sharded one's
+    index) without loading it: the proxy passes, the SFT policy and a sharded causal LM are refused, a sharded
+    classifier passes; a checkpoint it cannot read so (.bin) is left to the check as it loads."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(reward_model_path=os.path.join(tiny_dir, "proxy"), gold_reward_model_path=None)
+    check_score_heads(args, "reward_model_path", "gold_reward_model_path")
+    for head, refused in (("embed_out", True), ("score", False)):
+        folder = tmp_path / head
+        folder.mkdir()
+        weight_map = {"gpt_neox.layers.0.attention.dense.weight": "a.safetensors", f"{head}.weight": "b.safetensors"}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        args.reward_model_path = str(folder)
+        if refused:
+            with pytest.raises(SystemExit):
+                check_score_heads(args, "reward_model_path")
+            assert "(its weights: embed_out.*, gpt_neox.*)" in capsys.readouterr().err
+        else:
+            check_score_heads(args, "reward_model_path")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    assert weight_names(str(tmp_path / "bin")) is None
 
 
 @pytest.mark.parametrize("lora_rank", [0, 8])
