@@ -122,10 +122,11 @@ def sweep(configs: dict, seeds: list, args: Args) -> dict:
     return results
 
 
-def paired(values: list[float], baseline: list[float], family: list, label: str, interval: bool = False) -> str:
+def paired(values: list[float], baseline: list[float], family: list, label: str, interval: bool = False,
+           digits: int = 3) -> str:
     """The per-seed difference, mean ± s.e., its t and the verdict at the two-sided 95% threshold (`interval`: its 95%
     interval too); kept in `family` under `label` for the table's Holm line."""
-    family.append((label, gap(values, baseline, interval=interval)))
+    family.append((label, gap(values, baseline, digits, interval)))
     return family[-1][1]["text"]
 
 
@@ -172,7 +173,7 @@ def report_schedules(results: dict) -> None:
             sync_seconds = seconds(sync)
             print(f"   {'':<36} against k = 0: pass@1 "
                   f"{paired(final(runs), final(sync), family, f'{name} - k = 0', interval=True)}"
-                  f"; seconds {paired(run_seconds, sync_seconds, family, f'{name} - k = 0, seconds')}; "
+                  f"; seconds {paired(run_seconds, sync_seconds, family, f'{name} - k = 0, seconds', digits=0)}; "
                   f"{statistics.mean(sync_seconds) / statistics.mean(run_seconds):.2f}x as fast (by seed: "
                   + ", ".join(f"{k0 / own:.2f}x" for k0, own in zip(sync_seconds, run_seconds)) + ")")
         if demo is not None and runs is not demo and runs is not sync:

@@ -41,7 +41,7 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
-from off_policy import sweep_folder, train  # noqa: E402
+from off_policy import finished, sweep_folder, train  # noqa: E402
 from stats import binomial_stderr, fmt, fmt_share, gain_kept, gap, holm_line, mean_and_stderr, unpaired_gap  # noqa: E402
 
 import tiny_world  # noqa: E402
@@ -81,6 +81,9 @@ class Args:
     quick: bool = False
     """two sizes (a quick build), the gold arm only, N in {1, 2}, one learning rate, one seed, 64 episodes, a final
     evaluation on 64 prompts"""
+    reprint: bool = False
+    """print the tables of a sweep whose runs are all in --runs_dir (docs/runs/scaling.tar.xz unpacked), without the
+    sized build: the sizes' table, which is the build's, is left out, and a run missing there is an error"""
 
 
 def lag_matched_lr(lr: float, lag: float, target_lag: float) -> float:
@@ -159,7 +162,11 @@ if __name__ == "__main__":
             sys.exit(f"--rewards {reward}: unknown; gold or proxy")
     args.sized_dir = args.sized_dir or f"~/.cache/async-rlhf/tldr-v3-sized-v2{'-quick' if args.quick else ''}"
     sweep_start = time.time()
-    sized = tiny_world.build_sized(args.sized_dir, args.tiny_dir, quick=args.quick)
+    if args.reprint:  # (the runs name their models by size alone: no build is read)
+        sizes = list(tiny_world.SIZES)[: 2 if args.quick else None]
+        sized = {kind: {size: f"(the sized build's {kind}-{size})" for size in sizes} for kind in ("policy", "proxy")}
+    else:
+        sized = tiny_world.build_sized(args.sized_dir, args.tiny_dir, quick=args.quick)
     sizes = list(sized["policy"])  # smallest first
     smallest, middle, largest = sizes[0], sizes[len(sizes) // 2], sizes[-1]
     if args.proxy_size not in sizes:
@@ -173,6 +180,8 @@ if __name__ == "__main__":
         path = (os.path.join(os.path.expanduser(args.tiny_dir), "gold") if reward == "gold" else
                 sized["proxy"][reward.removeprefix("proxy-")])
         name = f"policy-{policy}_{reward}_lr{lr:.3g}_n{n}_seed{seed}"
+        if args.reprint and not finished(os.path.join(runs_dir, name, "metrics.jsonl"), num_steps):
+            sys.exit(f"--reprint: {name} is not a finished run in {runs_dir}")
         return train("async_dpo.py", [
             "--tiny_dir", args.tiny_dir, "--sft_model_path", sized["policy"][policy], "--reward_model_path", path,
             "--seed", str(seed), "--num_mini_batches", str(n), "--total_episodes", str(args.total_episodes),
@@ -213,14 +222,17 @@ if __name__ == "__main__":
             shutil.rmtree(runs_dir, ignore_errors=True)
 
     # The sizes (parameters, SFT gold win rate, the proxies' agreement on each size's samples), the tuning, the points
-    report = sized["sizes"]
-    print("\n| size | parameters | SFT gold win rate (build) | proxy's agreement with gold: on every size's samples | "
-          + " | ".join(f"on {s}'s" for s in sizes) + " |\n|---|---|---|---|" + "---|" * len(sizes))
-    for size in sizes:
-        r = report[size]
-        print(f"| {size} ({r['hidden_size']} wide, {r['layers']} layers) | {r['parameters'] / 1e6:.2f}M | "
-              f"{r['sft_gold_win_rate']:.3f} | {r['proxy_gold_agreement']:.3f} | "
-              + " | ".join(f"{r['proxy_gold_agreement_on'][s]:.3f}" for s in sizes) + " |")
+    if args.reprint:
+        print("\n(--reprint: the sizes' table is the sized build's, not the runs': left out)")
+    else:
+        report = sized["sizes"]
+        print("\n| size | parameters | SFT gold win rate (build) | proxy's agreement with gold: on every size's "
+              "samples | " + " | ".join(f"on {s}'s" for s in sizes) + " |\n|---|---|---|---|" + "---|" * len(sizes))
+        for size in sizes:
+            r = report[size]
+            print(f"| {size} ({r['hidden_size']} wide, {r['layers']} layers) | {r['parameters'] / 1e6:.2f}M | "
+                  f"{r['sft_gold_win_rate']:.3f} | {r['proxy_gold_agreement']:.3f} | "
+                  + " | ".join(f"{r['proxy_gold_agreement_on'][s]:.3f}" for s in sizes) + " |")
     print(f"\nTuning at N = 1 (final gold win rate, mean ± s.e. over {len(args.seeds)} seed(s); the best is kept):\n\n"
           "| policy | reward | " + " | ".join(f"lr {lr:g}" for lr in args.lr_grid) + " | tuned |\n|---|---|"
           + "---|" * (len(args.lr_grid) + 1))
