@@ -791,8 +791,9 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
+        vllm_imported = generator_io.imports_done()  # (left out of the GC's scans: vLLM's build runs several)
         llm = LLM(**engine_kwargs)
-        results.put(dict(kind="ready"))
+        results.put(dict(kind="ready", startup=generator_io.startup_seconds(vllm_imported)))
         # The hand-off's buffer comes first (shared memory, or CUDA IPC on GPU): the learner allocates
         # it once its models are in place, so that at 8B it does not add to the learner's load peak
         start = requests.get()

@@ -973,8 +973,9 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, stepped by hand
         from vllm import LLM
 
+        vllm_imported = generator_io.imports_done()  # (left out of the GC's scans: vLLM's build runs several)
         llm = LLM(**engine_kwargs)
-        results.put(dict(kind="ready"))
+        results.put(dict(kind="ready", startup=generator_io.startup_seconds(vllm_imported)))
         start = requests.get()  # the weight slots, the prompts in the order groups take them, the record
         stream = Stream(start["weight_slots"], start["prompts"], start["adapter_config"], start["engine"],
                         connect_record(*start["record"]))

@@ -9,11 +9,12 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional
 
-import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
+
+from plumbing import metrics
 
 
 # --- Flags, models and data, checked --------------------------------------------------------------
@@ -86,6 +87,8 @@ def load_prompt_splits(dataset: str, seed: int, columns=("query", "reference_res
     """The train and evaluation splits (`names`) from a hub name (and `config`), a folder of split
     files or one file (then 5% is held out), with `columns`; a chat dataset (a `messages` column)
     given them by the tokenizer's chat template (plumbing.chat)."""
+    import datasets  # (here, not at the top: a spawned generator imports this module, and needs no datasets)
+
     kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
         os.path.splitext(dataset)[1])
     if os.path.isfile(dataset) and kind is None:
@@ -128,6 +131,8 @@ def local_cache_dir(dataset: str) -> str:
     """`datasets`' cache for a local file or folder, named by its files' paths, sizes and modification times. Left
     to itself, `datasets` names the cache of a folder whose card lists its splits by the file names alone: a world
     rebuilt in place (or any folder whose files changed) would load its old rows."""
+    import datasets
+
     files = [dataset] if os.path.isfile(dataset) else sorted(
         os.path.join(root, name) for root, _, names in os.walk(dataset) for name in names)
     stamp = repr([(os.path.relpath(f, dataset), os.path.getsize(f), os.path.getmtime(f)) for f in files])
@@ -212,6 +217,7 @@ def shard_or_replicate(trained: torch.nn.Module, args, device: torch.device) -> 
     """What the optimizer trains, its models already on the learner (on_learner): `trained` itself, its
     DDP wrapper under torchrun, or (--fsdp) `trained`, sharded as a whole too if it is a module around
     sharded ones (PPO's policy and value model)."""
+    metrics.startup_mark("models")  # (start-up's breakdown: every model is loaded by now)
     if args.fsdp:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 

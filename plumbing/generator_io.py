@@ -2,14 +2,18 @@
 a dead generator, the generator process's own set-up, and shutdown with anything queued. What is
 requested when, and the broadcast of each result to the other ranks, are in the scripts."""
 import contextlib
+import gc
 import os
 import queue
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from plumbing import metrics
 
 
 class GeneratorError(RuntimeError):
@@ -69,9 +73,10 @@ def receive(generator: Generator):
 
 def raise_error(message, rank: int, source: int = 0) -> dict:
     """The message, unless it is the generator's error: that is raised (on the other ranks, saying
-    that rank `source`, which received it, stopped)."""
+    that rank `source`, which received it, stopped). It is noted for the start-up's breakdown."""
     if isinstance(message, BaseException):
         raise message if rank == source else GeneratorError(f"rank {source} stopped: {message}")
+    metrics.startup_message(message)
     return message
 
 
@@ -144,7 +149,8 @@ def get(results, process) -> dict:
 def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional[str]) -> None:
     """The generator process: Ctrl-C and SIGTERM go to the learner, death with it (PDEATHSIG),
     vLLM's log to a file, no torchrun variables (they describe the learners), temporary files where
-    the learner removes them, and on CPU its own cores (set before vLLM, which ignores changes)."""
+    the learner removes them, and on CPU its own cores (set before vLLM, which ignores changes) and
+    no torch.compile."""
     import ctypes
     import tempfile
 
@@ -163,6 +169,29 @@ def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional
     if cores:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
+    if not torch.cuda.is_available():  # On a CPU vLLM runs eagerly (enforce_eager) but for one helper of its sampler
+        torch._dynamo.config.disable = True  # (the ranks of the sampled tokens' log-probs, an exact count), which
+        # torch.compile would build as C++ at the first request, seconds in every new process; eager: the same counts
+    BECAME[0] = time.time()
+
+
+BECAME = [0.0]  # when this process became the generator: its start-up (`startup_seconds`)
+
+
+def imports_done() -> float:
+    """Once the generator has imported vLLM: every object so far (the modules: they live as long as the process)
+    moves to the garbage collector's permanent generation, out of its scans. vLLM's engine build collects garbage
+    several times, each a scan of every object: on a CPU, about half of the tiny world's engine build (the same
+    freeze vLLM applies once the engine is built). Returns the time, for the start-up's breakdown."""
+    gc.freeze()
+    return time.time()
+
+
+def startup_seconds(vllm_imported: float) -> dict:
+    """The generator's start-up, for the learner's breakdown (metrics.startup_line): the spawned
+    process's start and its imports of the script, vLLM's import, the engine's build."""
+    return {"imports": BECAME[0] - metrics.process_started(), "vLLM's import": vllm_imported - BECAME[0],
+            "engine": time.time() - vllm_imported}
 
 
 # What torchrun's agent sets in each learner's environment to describe the learners' job (torch's

@@ -10,7 +10,6 @@ import signal
 import sys
 from typing import Callable, Optional
 
-import datasets
 import torch.distributed as dist
 import transformers
 import tyro
@@ -24,6 +23,7 @@ def parse_args(args_class, tiny_defaults: dict, preset_defaults: Optional[dict] 
     """tyro's parse of Args; `--model tiny`, and a preset in `preset_defaults` ({name: defaults}),
     have their own defaults (flags override them). Given twice, the last --model names them, as it is
     the one tyro keeps (a benchmark's `--model tiny` followed by a user's `--model rho-1b`)."""
+    metrics.startup_mark("imports")
     argv, presets = sys.argv[1:], {"tiny": tiny_defaults, **(preset_defaults or {})}
     models = [a.split("=", 1)[1] if "=" in a else argv[i + 1] if i + 1 < len(argv) else None
               for i, a in enumerate(argv) if a == "--model" or a.startswith("--model=")]
@@ -35,6 +35,9 @@ def parse_args(args_class, tiny_defaults: dict, preset_defaults: Optional[dict] 
 def run(main: Callable, args) -> None:
     """main(args, cleanup), with what main puts on `cleanup` undone on every path, and a failed
     generator (exit 1) or Ctrl-C (130) told in one line, not a traceback."""
+    metrics.startup_mark("flags and world")
+    import datasets  # (here: a spawned generator imports this module, and needs no datasets)
+
     transformers.utils.logging.disable_progress_bar()  # the console shows the run's own lines
     datasets.disable_progress_bars()
     signal.signal(signal.SIGTERM, functools.partial(on_sigterm, args.save_every))
@@ -88,6 +91,7 @@ def start_run(args, cleanup: contextlib.ExitStack, may_differ: set):
     sink (a resumed run's, once its checkpoint is found to be of this run: flags outside `may_differ` equal).
     Call it once the learner's process group is up (core.learner_device). Returns metrics.jsonl (rank 0; None
     elsewhere)."""
+    metrics.startup_mark("data")
     if args.world_size > 1:
         box = [(args.run_name, args.output_dir)]
         dist.broadcast_object_list(box, src=0)

@@ -65,6 +65,12 @@ def wandb_run_id(track: bool) -> Optional[str]:
 def log(record: dict, metrics_file, track: bool) -> None:
     if metrics_file is None:
         return
+    if "first step" not in STARTUP:  # (the start-up's last phases: the SFT policy's evaluation, the first step)
+        if record.get("step", 0) >= 1 and not any(key.startswith("eval/") for key in record):
+            startup_mark("first step")
+            tqdm.write(startup_line())
+        elif record.get("step") == 0 and any(key.startswith("eval/") for key in record):
+            startup_mark("step-0 evaluation")
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     if track:
@@ -97,6 +103,51 @@ def save_completions(output_dir: str, eval_data, responses: list, tokenizer) -> 
                 prompt=row["messages"][:-1] if "messages" in row else row["query"],
                 response=tokenizer.decode(response, **plain), reference=tokenizer.decode(reference, **plain),
                 response_tokens=len(response), reference_tokens=len(reference))) + "\n")
+
+
+# --- Start-up: where a run's first seconds go, printed once at its first step ---------------------
+STARTUP = {}  # phase: when it ended (this process's clock)
+STARTUP_DETAILS = {}  # phase: what its parentheses say (the generator's own seconds; the evaluation's sampling)
+
+
+def startup_mark(phase: str) -> None:
+    """Note when a start-up phase ended (its first time): the imports (launch.parse_args), the flags and
+    the world's check (launch.run), the data (launch.start_run), the models (core.shard_or_replicate),
+    vLLM ready (startup_message), the SFT policy's evaluation and the first step (log)."""
+    STARTUP.setdefault(phase, time.time())
+
+
+def startup_message(message: dict) -> None:
+    """A message from the generator, as every rank takes it (generator_io.raise_error): its "ready",
+    with its process's own seconds (several engines: the last one ready), and the first evaluation's
+    sampling seconds."""
+    if message["kind"] == "ready":
+        startup_mark("vLLM ready")
+        if message.get("startup"):  # (a generator of the benchmarks' may send none)
+            STARTUP_DETAILS["vLLM ready"] = "its process: " + ", ".join(
+                f"{name} {seconds:.1f} s" for name, seconds in message["startup"].items())
+    elif message["kind"] == "eval" and "generation_end" in message:
+        STARTUP_DETAILS.setdefault("step-0 evaluation", f"sampling "
+                                   f"{message['generation_end'] - message['generation_start']:.1f} s")
+
+
+def startup_line() -> str:
+    """One line: the seconds from the process's start to its first step, phase by phase."""
+    parts, previous = [], process_started()
+    for t, phase in sorted((t, phase) for phase, t in STARTUP.items()):
+        parts.append(f"{phase} {t - previous:.1f} s" + (f" ({STARTUP_DETAILS[phase]})" if phase in STARTUP_DETAILS
+                                                          else ""))
+        previous = t
+    return f"start-up: the first step {previous - process_started():.1f} s after the start: " + ", ".join(parts)
+
+
+def process_started() -> float:
+    """When this process started, on the clock's time, to 10 ms: its start in clock ticks since boot
+    (/proc) against the uptime (psutil's is as coarse as the boot time /proc gives: whole seconds)."""
+    with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        up = float(uptime.read().split()[0])
+    return time.time() - up + ticks / os.sysconf("SC_CLK_TCK")
 
 
 # --- Episodes and timings -------------------------------------------------------------------------
