@@ -3,7 +3,8 @@ printed (and any computed after it) can be recomputed from the runs themselves, 
 
 Each run keeps its metrics.jsonl, less the sample summaries each evaluation prints (`eval/samples`) but the final
 evaluation's first SAMPLES_KEPT (so that what a run ended up writing can be read back), and with floats to 9
-significant digits, and the small files a sweep marks a finished run with (`regime.txt`, `done`); a sweep
+significant digits, the small files a sweep marks a finished run with (`regime.txt`, `done`), and a recorded run's
+groups (`rollouts.jsonl`: their prompts' and completions' token ids, what the capacity model's fit reads); a sweep
 script pointed at the unpacked folder reads every finished run back instead of running it:
 
     python benchmarks/archive_runs.py benchmarks/runs/off_policy docs/runs/off_policy.tar.xz
@@ -18,6 +19,7 @@ import tarfile
 
 MARKERS = ("regime.txt", "done")  # what fully_async.py and capacity.py read to tell a finished run
 SAMPLES_KEPT = 2
+ROLLOUT_KEYS = ("index", "prompt", "responses", "fate")  # of a --record_rollouts run: what capacity.py's fit reads
 
 
 def short(value):
@@ -44,6 +46,10 @@ def pack(runs_dir: str, archive: str) -> int:
             files = {"metrics.jsonl": data, **{marker: open(os.path.join(runs_dir, name, marker), "rb").read()
                                                 for marker in MARKERS if os.path.exists(os.path.join(runs_dir, name,
                                                                                                      marker))}}
+            rollouts = os.path.join(runs_dir, name, "rollouts.jsonl")
+            if os.path.exists(rollouts):  # (the groups' token ids, without their log-probs and spans)
+                files["rollouts.jsonl"] = "".join(json.dumps({k: g[k] for k in ROLLOUT_KEYS}) + "\n" for g in map(
+                    json.loads, open(rollouts))).encode()
             for filename, content in files.items():
                 info = tarfile.TarInfo(f"{sweep}/{name}/{filename}")
                 info.size, info.mtime = len(content), 0  # (the same runs give the same archive)

@@ -35,6 +35,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,10 +86,11 @@ class Args:
 
 # --- The pilots and the runs: fully_async_grpo.py as a user runs it -------------------------------------------------
 def run(name: str, args: Args, steps: int, groups: int, *flags: str) -> list[dict]:
-    """A run's step records (running it unless its folder holds a finished one)."""
+    """A run's step records (running it unless its folder holds a finished one of as many steps)."""
     folder = os.path.join(args.runs_dir, name)
-    if not os.path.exists(os.path.join(folder, "done")):
+    if not finished(folder, steps):
         print(f"{name} ...", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
         command = [sys.executable, os.path.join(REPO, "fully_async_grpo.py"), "--model", "tiny", "--output_dir",
                    folder, "--num_samples", str(args.num_samples), "--total_episodes",
                    str(steps * groups * args.num_samples), "--batch_size", str(groups * args.num_samples),
@@ -98,8 +100,16 @@ def run(name: str, args: Args, steps: int, groups: int, *flags: str) -> list[dic
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if result.returncode:
             raise SystemExit(f"{name} failed (exit code {result.returncode}):\n{result.stderr[-3000:]}")
-        open(os.path.join(folder, "done"), "w").close()
+        with open(os.path.join(folder, "done"), "w") as f:
+            f.write(str(steps))
     return [r for r in map(json.loads, open(os.path.join(folder, "metrics.jsonl"))) if "staleness/mean" in r]
+
+
+def finished(folder: str, steps: int) -> bool:
+    """Whether `folder` holds a finished run of `steps` steps: its `done` says how many (a --quick run's 6 is not a
+    sweep's 24); an empty one is from before it did, and is taken as it is."""
+    done = os.path.join(folder, "done")
+    return os.path.exists(done) and open(done).read() in ("", str(steps))
 
 
 def padded_tokens(groups: list, chunk: int) -> int:

@@ -25,7 +25,7 @@ or --training_bound_threshold (0.5, fixed after the pilot that chose the trainin
   compute_optimal_training_bound.png     the same for K = 2 and K = 4, async and sync
 
     python benchmarks/compute_optimal.py            # 3 T values + 6 (K, schedule) rows, x 3 seeds: ~45 min on 2 cores
-    python benchmarks/compute_optimal.py --quick    # one seed, short runs: checks that it works, for CI
+    python benchmarks/compute_optimal.py --quick    # one short run: checks that it runs, for CI
 """
 import json
 import math
@@ -92,8 +92,8 @@ class Args:
     finished there is read back, not run again); default: benchmarks/runs/compute_optimal (--quick: a temporary
     folder, deleted after)"""
     quick: bool = False
-    """two short runs, one seed: T = 2 (32 episodes) and async K = 4 (64), evaluations on 64 prompts: checks that
-    it works, measures nothing"""
+    """one short run, one seed: T = 2 (32 episodes), evaluations on 64 prompts: checks that it runs, measures nothing
+    (the tables, on the archived sweep: docs/runs/compute_optimal.tar.xz)"""
 
 
 def read_curve(output_dir: str) -> dict:
@@ -234,15 +234,9 @@ def report_k_control(curves: dict, args: Args) -> None:
     print(f"\n{holm_line(judgements)}")
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
-    extra = ["--num_final_eval_prompts", "512"]
-    if args.quick:
-        args.seeds, args.t_values, args.training_bound_evaluations, args.k_control = args.seeds[:1], [2], 2, False
-        args.generation_bound_episodes, args.training_bound_episodes = 32, 128
-        extra = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"]
-    # (setting, label): (script, batch, episodes, evaluate every (episodes), T, K, lr)
+def design(args: Args) -> dict:
+    """The sweep's rows, {(setting, label): (script, batch, episodes, evaluate every (episodes), T, K, lr)}; --quick:
+    the generation-bound ones alone."""
     rows = {("generation-bound", f"T = {t}"): ("async_dpo.py", args.generation_bound_batch,
                                                  args.generation_bound_episodes, args.generation_bound_eval_every, t,
                                                  2, args.generation_bound_lr) for t in args.t_values}
@@ -252,11 +246,22 @@ if __name__ == "__main__":
     if args.k_control:
         training_bound[2:2] = [("async", 2, 2, ", halved"), ("async", 4, 1, ", full")]
     scripts = {"async": "async_dpo.py", "sync": "sync_baseline.py"}
-    for schedule, k, scale, control in training_bound[1:2] if args.quick else training_bound:
+    for schedule, k, scale, control in [] if args.quick else training_bound:
         episodes = args.training_bound_episodes // scale
         rows["training-bound", f"{schedule} K = {k}{control}"] = (
             scripts[schedule], args.training_bound_batch, episodes, episodes // args.training_bound_evaluations, 1,
             k, args.training_bound_lr / scale)
+    return rows
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
+    extra = ["--num_final_eval_prompts", "512"]
+    if args.quick:
+        args.seeds, args.t_values, args.generation_bound_episodes, args.k_control = args.seeds[:1], [2], 32, False
+        extra = ["--num_eval_prompts", "64", "--num_final_eval_prompts", "64"]
+    rows = design(args)
     for script, batch, episodes, eval_every, t, k, row_lr in rows.values():
         if episodes % batch or eval_every % batch:
             sys.exit(f"the episodes ({episodes}) and the evaluation interval ({eval_every}) must be multiples of the "
@@ -310,7 +315,8 @@ if __name__ == "__main__":
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for setting in ("generation-bound", "training-bound"):
+    settings = list(dict.fromkeys(setting for setting, _ in rows))
+    for setting in settings:
         labels = [label for s, label in rows if s == setting]
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
         for i, label in enumerate(labels):
@@ -331,5 +337,5 @@ if __name__ == "__main__":
                      "threshold)")
         fig.tight_layout()
         fig.savefig(os.path.join(args.plot_dir, f"compute_optimal_{setting.replace('-', '_')}.png"), dpi=90)
-    print(f"plots saved to {args.plot_dir}/compute_optimal_generation_bound.png and "
-          "compute_optimal_training_bound.png")
+    print(f"plots saved to {args.plot_dir}: " + " and ".join(
+        f"compute_optimal_{setting.replace('-', '_')}.png" for setting in settings))

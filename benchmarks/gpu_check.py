@@ -17,8 +17,8 @@
       the policy's, and PPO's and RLOO's first ratios with pi_old recomputed and with pi_old from a bfloat16 sampler
       (steps at lr 0 with plain SGD, which holds no state; each algorithm's peak GPU memory printed);
   (f) real generators reloading versions (in flight, between rounds, a LoRA adapter); (g) seeded sampling's cost;
-  (h) fully_async_grpo.py with two engines under one admission record, both loading in flight (on GPUs: engine 1
-      on GPU 1 by vLLM's device_ids, reading the slots on GPU 0; needs two GPUs, skipped on one).
+  (h) the in-flight reload of (f) with two engines under one admission record, both loading (on GPUs: engine 1 on
+      GPU 1 by vLLM's device_ids, reading the slots on GPU 0; on one GPU, (f) runs one engine and (h) is skipped).
 
     python benchmarks/gpu_check.py                       # a few minutes on one 80 GB GPU (pythia-2.8b)
     python benchmarks/gpu_check.py --model pythia-410m   # smaller
@@ -30,6 +30,7 @@ import gc
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -859,9 +860,10 @@ if __name__ == "__main__":
           f"{args.prompt_length} + {args.response_length} tokens", flush=True)
     gpus = torch.cuda.device_count()
     checks = [  # the vLLM checks first: they were never run on a GPU, and a lent GPU's time may run out
-        ("(f) in-flight reload, fully_async_grpo.py", inflight_reload, device),
-        *([("(h) two engines in flight, fully_async_grpo.py --num_generators 2", inflight_reload, device, 2)]
-          if gpus != 1 else []),  # (engine 1 on GPU 1: a one-GPU machine cannot place it)
+        # (f) and (h) in one: two engines loading in flight where they can be placed (engine 1 on GPU 1: a one-GPU
+        # machine runs one engine, (f) alone), each engine's tokens checked as one engine's are
+        ("(f) in-flight reload, fully_async_grpo.py" + ("" if gpus == 1 else ", (h) two engines"), inflight_reload,
+         device, 1 if gpus == 1 else 2),
         ("(f) reload between rounds, async_dpo.py", reload_between_rounds, device),
         ("(f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8", reload_between_rounds, device, 8),
         ("(g) seeded sampling's cost", seeded_sampling, device, 10 if device.type == "cuda" else 3),
@@ -872,7 +874,8 @@ if __name__ == "__main__":
         (f"(b, e) collectives on 2 ranks{' (NCCL skipped: one GPU)' if gpus == 1 else ''}", collectives)]
     start, results = time.time(), []
     for name, function, *inputs in checks:
-        if not args.only or set(name[1: name.index(")")].split(", ")) & set(args.only):
+        letters = {x for group in re.findall(r"\(([a-h](?:, [a-h])*)\)", name) for x in group.split(", ")}
+        if not args.only or letters & set(args.only):  # ("(b, e) ...", "(f) ..., (h) ...": each letter)
             results.append(run_check(name, function, *inputs))
     print("\n| check | result | measured | seconds |\n|---|---|---|---|")
     for name, passed, figure, seconds in results:

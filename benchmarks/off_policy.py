@@ -88,8 +88,9 @@ class Args:
     sweep resumed (a run already finished there is read back, not run again); default: benchmarks/runs/off_policy
     (--quick: a temporary folder, deleted after)"""
     quick: bool = False
-    """async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT, CoPG and DPO without its sigmoid at N = 2; one
-    seed, 128 episodes, evaluations on 64 prompts: checks that the benchmark works, measures nothing"""
+    """one seed, 128 episodes, evaluations on 64 prompts, of what --algorithms and --n_values ask (by default
+    async_dpo.py at N in {1, 2}; corrected RLOO, Best-of-2 SFT, CoPG and DPO without its sigmoid at N = 2): checks
+    that the benchmark works, measures nothing"""
 
 
 IS_METRICS = ("is/weight_min", "is/weight_max", "is/ess_fraction", "is/changed_fraction")
@@ -210,8 +211,11 @@ def report_corrections(table: dict, variants: list[tuple], first_n: int) -> None
 if __name__ == "__main__":
     args = tyro.cli(Args)
     os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
-    if args.quick:
-        args.algorithms, args.n_values, args.seeds, args.total_episodes = ["dpo"], [1, 2], args.seeds[:1], 128
+    as_asked = (args.algorithms, args.n_values) != (Args().algorithms, Args().n_values)  # (not the defaults)
+    if args.quick:  # short runs of one seed: what is asked, or by default DPO at N in {1, 2} and the rest at N = 2
+        args.seeds, args.total_episodes = args.seeds[:1], 128
+        if not as_asked:
+            args.algorithms, args.n_values = ["dpo"], [1, 2]
     for n in args.n_values:
         if n <= 0 or args.total_episodes % (args.batch_size * n):
             sys.exit(f"--n_values: each N must be positive and divide --total_episodes {args.total_episodes} into "
@@ -222,7 +226,7 @@ if __name__ == "__main__":
                if n in args.n_values]
     if args.recompute_at_largest_n:
         points += [(a, max(args.n_values), "recompute") for a in args.algorithms if a in ("ppo", "rloo")]
-    if args.quick:  # and the corrected variant and the two controls once
+    if args.quick and not as_asked:  # and the corrected variant and the two controls once
         points = [(a, n, v) for a, n, v in points if v == "plain"]
         points += [("rloo", 2, "corrected"), ("bo2_sft", 2, "plain"), ("copg", 2, "plain"), ("dpo_linear", 2, "plain")]
 

@@ -79,8 +79,10 @@ class Args:
     finished there is read back, not run again); default: benchmarks/runs/scaling (--quick: a temporary folder,
     deleted after)"""
     quick: bool = False
-    """two sizes (a quick build), the gold arm only, N in {1, 2}, one learning rate, one seed, 64 episodes, a final
-    evaluation on 64 prompts"""
+    """two sizes (a quick build), the gold arm only, N in {1, 2} (or --n_values), one learning rate, one seed, 64
+    episodes, a final evaluation on 64 prompts"""
+    sizes: list[str] = field(default_factory=list)
+    """the policy sizes the sweep trains, of the built ones (default: every one; the proxies are every size's)"""
     reprint: bool = False
     """print the tables of a sweep whose runs are all in --runs_dir (docs/runs/scaling.tar.xz unpacked), without the
     sized build: the sizes' table, which is the build's, is left out, and a run missing there is an error"""
@@ -151,8 +153,9 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
     extra = []
-    if args.quick:
-        args.n_values, args.seeds, args.total_episodes, args.lr_grid = [1, 2], args.seeds[:1], 64, [1e-4]
+    if args.quick:  # (--n_values as asked, or by default 1 and 2)
+        args.n_values = [1, 2] if args.n_values == Args().n_values else args.n_values
+        args.seeds, args.total_episodes, args.lr_grid = args.seeds[:1], 64, [1e-4]
         args.rewards, args.lag_matched, args.reward_model_panel = ["gold"], False, False
         extra = ["--num_final_eval_prompts", "64"]
     if args.n_values[0] != 1:
@@ -168,7 +171,10 @@ if __name__ == "__main__":
     else:
         sized = tiny_world.build_sized(args.sized_dir, args.tiny_dir, quick=args.quick)
     sizes = list(sized["policy"])  # smallest first
-    smallest, middle, largest = sizes[0], sizes[len(sizes) // 2], sizes[-1]
+    policies = [size for size in sizes if size in (args.sizes or sizes)]  # (the sizes the sweep trains)
+    if len(policies) != len(args.sizes or sizes):
+        sys.exit(f"--sizes {' '.join(args.sizes)}: the built sizes are {sizes}")
+    smallest, middle, largest = policies[0], policies[len(policies) // 2], policies[-1]
     if args.proxy_size not in sizes:
         sys.exit(f"--proxy_size {args.proxy_size}: not one of the built sizes {sizes}")
     runs_dir, keep_runs = sweep_folder(args.runs_dir, "scaling", args.quick)
@@ -195,7 +201,7 @@ if __name__ == "__main__":
     try:
         for arm_reward in args.rewards:  # 1. tuning at N = 1, then 2. every N at the tuned learning rate
             reward = reward_names[arm_reward]
-            for policy in sizes:
+            for policy in policies:
                 grid[policy, reward] = {lr: [run(policy, reward, 1, s, lr) for s in args.seeds] for lr in args.lr_grid}
                 tuned[policy, reward] = max(args.lr_grid, key=lambda lr: final_win(grid[policy, reward][lr]))
                 lr = tuned[policy, reward]
@@ -205,8 +211,8 @@ if __name__ == "__main__":
         matched = {}
         if args.lag_matched and "proxy" in args.rewards and 16 in args.n_values:  # 3. lag-matched
             reward = reward_names["proxy"]
-            lag = {p: statistics.mean(r["lag"] for r in results[p, reward, 16, "tuned"]) for p in sizes}
-            for policy in sizes:
+            lag = {p: statistics.mean(r["lag"] for r in results[p, reward, 16, "tuned"]) for p in policies}
+            for policy in policies:
                 matched[policy] = lag_matched_lr(tuned[policy, reward], lag[policy], lag[middle])
                 for n in args.n_values:
                     results[policy, reward, n, "lag-matched"] = [run(policy, reward, n, s, matched[policy])

@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(items: list) -> None:
     first = ["test_benchmarks.py", "test_gsm8k.py", "test_engines.py", "test_resume.py", "test_fully_async.py",
              "test_stream_benchmarks.py", "test_agentic.py", "test_lora.py", "test_ppo.py", "test_end_to_end.py",
              "test_shutdown.py", "test_rloo.py", "test_sync_baseline.py", "test_tiny_world.py", "test_failures.py",
-             "test_chat.py", "test_reward_tokenizer.py"]
+             "test_chat.py", "test_reward_tokenizer.py", "test_archives.py"]
     rank = {name: i for i, name in enumerate(first)}
     items.sort(key=lambda item: rank.get(item.path.name, len(first)))
 

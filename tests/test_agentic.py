@@ -127,6 +127,7 @@ def re_tokenising_fork(tmp_path):
     return module
 
 
+@pytest.mark.slow
 def test_token_in_token_out_masks_and_the_bound_in_flight(tools_dir, tokenizer, tmp_path):
     """k = 2, pace, in-flight loads, a wrong tool answer one call in five and a long-tailed tool latency, every
     episode recorded. Token in, token out: every policy token's log-prob, recomputed on the recorded ids under the

@@ -47,6 +47,7 @@ REPRINTS = {
     "fully_async, tables 2-4": ("fully_async", "fully_async.py", ("--tables", "2", "3", "4")),
     "agentic": ("agentic", "agentic.py", ()),
     "agentic, the demo": ("agentic", "agentic.py", ("--demo",)),
+    "capacity": ("capacity", "capacity.py", ()),
 }
 # (doc, heading): the reprints whose figures its section quotes
 SECTIONS = {
@@ -112,3 +113,138 @@ def test_every_figure_a_section_quotes_is_what_its_archived_sweep_reprints(doc, 
     assert quoted, f"{doc}, {heading}: no figure found (a heading renamed?)"
     missing = [figure for figure in quoted if figure not in printed | NOT_ARCHIVED]
     assert not missing, f"{doc}, {heading}: quoted but not printed by {SECTIONS[doc, heading]}: {missing}"
+
+
+def table_rows(printed: str, first_cells: tuple) -> dict:
+    """The printed table rows starting with these cells (`| a | b |`), by their first cells, their other cells."""
+    rows = {}
+    for line in printed.splitlines():
+        cells = [cell.strip() for cell in line.strip("| ").split(" | ")]
+        if line.startswith("| ") and tuple(cells[: len(first_cells[0])]) in first_cells:
+            rows.setdefault(tuple(cells[: len(first_cells[0])]), cells[len(first_cells[0]):])
+    return rows
+
+
+def mean_se(values: list[float]) -> str:
+    """mean ± standard error over seeds, as the tables print it, worked here from the values."""
+    mean = sum(values) / len(values)
+    se = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+    return f"{mean:.3f} ± {se:.3f}"
+
+
+def test_the_off_policy_tables_say_what_their_runs_did(tmp_path_factory):
+    """The Figure 3 sweep's tables against its 81 runs' own metrics, recomputed here: each DPO row's staleness range
+    (N mini-batches on one round's weights, a round behind: 0..2N-1), each rule's drop in final gold win rate from
+    N = 1 to 64 paired by seed, and the training reward's eighths of a run (first, lowest, last: the lowest
+    eighth is where a collapse recovered from before the final evaluation would show); the correction's weights
+    summarised; DPO's controls with a lag and their tied prompts' share, CoPG with a lag and no ties."""
+    import json
+
+    folder = str(tmp_path_factory.getbasetemp() / "reprints")
+    printed, runs = reprint("off_policy", folder), unpacked("off_policy", folder)
+
+    def steps(name: str) -> list:
+        return [r for r in map(json.loads, open(os.path.join(runs, name, "metrics.jsonl"))) if "staleness" in r]
+
+    def final(name: str) -> float:
+        return [r for r in map(json.loads, open(os.path.join(runs, name, "metrics.jsonl")))
+                if "eval/gold_win_rate" in r][-1]["eval/gold_win_rate"]
+
+    main = table_rows(printed, tuple(("dpo", str(n)) for n in (1, 2, 4, 8, 16, 32, 64)))
+    for (_, n), cells in main.items():
+        staleness = [r["staleness"] for s in (1, 2, 3) for r in steps(f"dpo_n{n}_seed{s}")]
+        assert cells[0] == f"{min(staleness)}..{max(staleness)}" == f"0..{2 * int(n) - 1}", (n, cells)
+    drops = table_rows(printed.split("The drop in gold win rate")[1], (("dpo",), ("ppo",), ("rloo",)))
+    for rule in ("dpo", "ppo", "rloo"):
+        drop = [final(f"{rule}_n64_seed{s}") - final(f"{rule}_n1_seed{s}") for s in (1, 2, 3)]
+        assert drops[rule,][0].startswith(("+" if sum(drop) >= 0 else "-") + mean_se(drop).lstrip("-")), drops
+    eighths = table_rows(printed.split("each eighth of its steps")[1], (("dpo", "1"), ("dpo", "64")))
+    for (_, n), cells in eighths.items():
+        by_seed = []
+        for seed in (1, 2, 3):
+            rewards = [r["reward/mean"] for r in steps(f"dpo_n{n}_seed{seed}")]
+            cuts = [i * len(rewards) // 8 for i in range(9)]
+            by_seed.append([sum(rewards[a:b]) / (b - a) for a, b in zip(cuts, cuts[1:])])
+        expected = [mean_se([e[0] for e in by_seed]), mean_se([min(e) for e in by_seed]),
+                    mean_se([e[-1] for e in by_seed])]
+        assert cells == expected, (n, cells, expected)
+    assert "rloo N = 16: w from " in printed and "ppo N = 64: w from " in printed
+    controls = reprint("DPO's controls", folder) + reprint("CoPG at lr 3e-4", folder)
+    for name in ("bo2_sft", "dpo_no_reference", "dpo_linear", "copg"):
+        cells = table_rows(controls, ((name, "16"),))[name, "16"]
+        lag_kl, update = (float(cell.split(" ± ")[0]) for cell in cells[6:8])
+        assert lag_kl > 0 and update > 0 and cells[8].endswith("%") == (name != "copg"), (name, cells)
+
+
+def test_every_number_of_the_capacity_models_rerun_is_what_its_archive_reprints(tmp_path_factory):
+    """The capacity model's archived pilots, checks and engine runs (docs/fully_async.md, its rerun): every number
+    its list of results states (a coefficient, a prediction, a measurement with its spread) is one the command prints
+    from the archive (the simulation is seeded: the same pilots give the same predictions)."""
+    printed = reprint("capacity", str(tmp_path_factory.getbasetemp() / "reprints"))
+    stated = "\n".join(line for line in section("fully_async.md", "The pilots rerun and archived").split("\n- ")[1:])
+    stated = stated.split("\n\n")[0]  # (the list; the comparisons with the earlier, unarchived run follow it)
+    numbers = re.findall(r"\d+\.\d+", stated)
+    assert len(numbers) > 30, stated
+    assert [n for n in numbers if n not in printed] == [], stated
+
+
+# What each reprint prints besides its figures: its tables and statistics (a table dropped or renamed fails here)
+PRINTED = {
+    "fully_async, table 1": ["1. The schedules", "k = 2, drop (room 2(k+1)B)", "against k = 0: pass@1",
+                             "without the learner's wait", "Holm within this table"],
+    "fully_async, tables 2-4": ["2. Naive", "k = 2, m = 2: naive", "decoupled, m = 2 - m = 1",
+                                "3. In flight against drain-then-reload", "speed-up over drain-then-reload",
+                                "4. Time to the one-step run's final pass@1", "speed-up to the target"],
+    "agentic": ["within-episode", "Q1  turns - atomic at k = 2", "Q2  turns - first_turn at k = 8", "Holm within"],
+    "scaling": ["d_large - d_small on the win rate (proxy-small, tuned; the hypothesis predicts > 0): ",
+                "Holm within this table", "KL(pi || pi_SFT) at the last step", "lag-matched learning rates"],
+    "gsm8k": ["| async | 1 | new problems, seen facts |", "| async | 1 | unseen facts |", "| [0, 1] |", "| [0] |",
+              "async - sync, pass@1 after, unseen facts (paired by seed)", "speed-up", "Phase times"],
+    "lora": ["Table 3a", "<- picked", "LoRA - full: "],
+    "compute_optimal": ["| generation-bound | T = 2 |", "| training-bound | async K = 4 |",
+                        "generation / training ", "'s regime: ", "the sampled KL(pi || SFT) where the gold win rate"],
+}
+
+
+@pytest.mark.parametrize("name", list(PRINTED))
+def test_each_reprint_prints_its_tables(name, tmp_path_factory):
+    printed = reprint(name, str(tmp_path_factory.getbasetemp() / "reprints"))
+    missing = [line for line in PRINTED[name] if line not in printed]
+    assert not missing, f"{name}: {missing}\n{printed[-3000:]}"
+
+
+def archived_steps(tmp_path_factory, archive: str, run: str, key: str = "staleness/max") -> list:
+    """Every step record of the archived runs named `run` (each seed's), as lists."""
+    import json
+
+    folder = unpacked(archive, str(tmp_path_factory.getbasetemp() / "reprints"))
+    names = sorted(name for name in os.listdir(folder) if name.rsplit("seed", 1)[0].rstrip("_") == run)
+    assert names, f"{archive}: no run {run}"
+    return [[r for r in map(json.loads, open(os.path.join(folder, name, "metrics.jsonl"))) if key in r]
+            for name in names]
+
+
+def test_the_archived_streams_did_what_their_configurations_say(tmp_path_factory):
+    """Across the seeds of the streaming sweeps (what each configuration is for, as its runs logged it): `drop`
+    with twice the bound's room discards, and trains on nothing staler than k; the naive objective's importance
+    weight is 1 at every token (its proximal policy is the sampler); with two optimizer steps a batch the ratio to the
+    batch's start departs from 1 (the clip can act); draining, no completion spans two versions, in flight they do.
+    The agentic runs: episode-atomic loads never let an episode span two versions (nor does k = 0), turn-by-turn loads
+    do, and every arm keeps the bound from each episode's oldest token."""
+    for runs in archived_steps(tmp_path_factory, "fully_async_schedules", "k_2_drop_room_2_k_1_B"):
+        assert runs[-1]["rollouts/discarded_total"] > 0 and all(r["staleness/max"] <= 2 for r in runs)
+    for runs in archived_steps(tmp_path_factory, "fully_async", "k_2_pace_naive"):
+        assert all(r["is/weight_mean"] == 1.0 for r in runs)
+    for runs in archived_steps(tmp_path_factory, "fully_async", "k_2_pace_m_2"):
+        assert max(r["policy/ratio_max"] for r in runs) > 1 + 1e-4
+    for runs in archived_steps(tmp_path_factory, "fully_async", "designed_drain_then_reload"):
+        assert all(r["inflight/multi_version_fraction"] == 0 for r in runs)
+    for runs in archived_steps(tmp_path_factory, "fully_async", "designed_head_in_flight_recompute"):
+        assert max(r["inflight/multi_version_fraction"] for r in runs) > 0
+    for arm, k in (("k0", 0), ("atomic_k2", 2), ("atomic_k8", 8)):
+        for runs in archived_steps(tmp_path_factory, "agentic", arm):
+            assert all(r["staleness/within_episode_max"] == 0 and r["staleness/max"] <= k for r in runs), arm
+    for arm, k in (("turns_k2", 2), ("turns_k8", 8), ("first_turn_k2", 2)):
+        for runs in archived_steps(tmp_path_factory, "agentic", arm):
+            assert max(r["staleness/within_episode_max"] for r in runs) >= 1, arm
+            assert all(r["staleness/max"] <= k for r in runs), arm

@@ -6,7 +6,7 @@ import os
 import tarfile
 
 import pytest
-from conftest import run_script
+from conftest import REPO, run_script
 from test_end_to_end import read_metrics
 
 from benchmarks import stats
@@ -118,6 +118,7 @@ def test_the_sampled_kl_at_each_evaluation_worked_by_hand():
     assert compute_optimal.at_level(curve, 0.6, "kls") is None
 
 
+@pytest.mark.slow
 def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
     """The async-vs-sync benchmark runs, and benchmarks/timeline.py draws its async and sync runs from the
     `timeline/*` every script logs: the generator's and the learner's phases in order, overlapping only in the
@@ -169,6 +170,7 @@ def assert_timeline_ordered(records: list[dict], asynchronous: bool, num_steps: 
                               r["timeline/evaluation_start"] <= r["timeline/evaluation_end"] for r in evaluation)
 
 
+@pytest.mark.slow
 def test_tiny_curves_quick(tiny_dir, tmp_path):
     result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path),
                         script=os.path.join("benchmarks", "tiny_curves.py"))
@@ -180,17 +182,21 @@ def test_tiny_curves_quick(tiny_dir, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_on_the_cpu():
     """benchmarks/gpu_check.py checks the GPU code paths through the scripts' own functions; without a GPU it runs
-    them on the CPU, which keeps it working until a GPU runs it."""
+    them on the CPU, which keeps it working until a GPU runs it. Its (g) times benchmarks/sampling_seeds.py's two
+    requests (seed_costs, in an engine built as the scripts build theirs)."""
     result = run_script(script=os.path.join("benchmarks", "gpu_check.py"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     for check in ("(a) step 1", "(b) the generator's ready taken by every rank", "its error raised on every rank",
                   "reduce_sums over gloo: ok", "(c) version 5", "(e) --fsdp load over 2 ranks: every parameter "
-                  "sharded", "(f) the round after the reload", "(g) training round (32 prompts x 2)", "lag/kl_token",
-                  "| (f) in-flight reload, fully_async_grpo.py | pass |", "131,072 bytes handed off",
+                  "sharded", "(f) the round after the reload", "(g) training round (32 prompts x 2)",
+                  "(g) evaluation (128 prompts x 1)", "lag/kl_token",
+                  "| (f) in-flight reload, fully_async_grpo.py, (h) two engines | pass | 2 engine(s), ",
+                  "131,072 bytes handed off",
                   "| (f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8 | pass |",
-                  "gpu_check: 10 of 10 checks passed"):
+                  "gpu_check: 9 of 9 checks passed"):
         assert check in result.stdout, result.stdout
 
 
@@ -211,6 +217,7 @@ def test_gpu_check_prints_the_memory_table():
     assert "micro-batch 2: learner 58.5 GiB" in result.stdout and "saves the reference's 29.9 GiB" in result.stdout
 
 
+@pytest.mark.slow
 def test_lora_benchmark_quick():
     """benchmarks/lora.py --quick: the tiny world's hand-off with and without LoRA, each side's memory."""
     result = run_script("--quick", script=os.path.join("benchmarks", "lora.py"), timeout=600)
@@ -221,77 +228,75 @@ def test_lora_benchmark_quick():
     assert "2,199,552" in result.stdout and "131,072" in result.stdout
 
 
-def test_gsm8k_async_vs_sync_quick(gsm8k_dir, tmp_path):
-    """benchmarks/gsm8k_async_vs_sync.py --quick: the table (both schedules, both evaluation splits) and the plot; the
-    asynchronous run one step stale after its first step, the synchronous (`gsm8k_async_dpo.py --sync`) on-policy at
-    every step, its generator's log-probs the learner's."""
+@pytest.mark.slow
+def test_gsm8k_async_vs_sync_one_run(gsm8k_dir, tmp_path):
+    """benchmarks/gsm8k_async_vs_sync.py --quick with its asynchronous run read back from the archive (seed 1's, the
+    README's demo: its own test, test_gsm8k.py, runs it) and the synchronous one run, short (the tables, on the
+    archived sweep: test_archives.py): `gsm8k_async_dpo.py --sync` on-policy at every step, its generator's log-probs
+    the learner's, evaluated at the steps asked on both splits; the tables and the plot come out of the two."""
     plot, runs = tmp_path / "plot.png", tmp_path / "runs"
+    runs.mkdir()
+    with tarfile.open(os.path.join(REPO, "docs", "runs", "gsm8k_async_vs_sync.tar.xz")) as tar:
+        tar.extractall(tmp_path, filter="data", members=[m for m in tar.getmembers() if "/async1/" in m.name])
+    os.rename(tmp_path / "gsm8k_async_vs_sync" / "async1", runs / "async1")
     result = run_script("--quick", "--tiny_dir", gsm8k_dir, "--plot_path", str(plot), "--runs_dir", str(runs),
                         script=os.path.join("benchmarks", "gsm8k_async_vs_sync.py"))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "seed 1: sync ..." in result.stdout and "seed 1: async ..." not in result.stdout  # (one run)
     assert "| async | 1 |" in result.stdout and "| sync | 1 |" in result.stdout and "speed-up" in result.stdout
     assert "| [0, 1] |" in result.stdout and "| [0] |" in result.stdout  # the staleness each schedule produced
     assert "| async | 1 | unseen facts |" in result.stdout  # both evaluation splits
     assert "async - sync, pass@1 after, unseen facts (paired by seed)" in result.stdout
     assert plot.stat().st_size > 1000
-    asynchronous, _ = read_metrics(runs / "async1", step_metric="loss/dpo", eval_metric="eval/pass_at_1")
     synchronous, evals = read_metrics(runs / "sync1", step_metric="loss/dpo", eval_metric="eval/pass_at_1")
-    assert [r["staleness"] for r in asynchronous] == [0, 1, 1, 1, 1]
     assert [r["staleness"] for r in synchronous] == [0] * 5
     assert all(abs(r["logps/generator_gap"]) < 1e-4 for r in synchronous)
     assert [r["step"] for r in evals] == [0, 2, 4, 5] and evals[-1]["eval/num_prompts"] == 40
+    assert all("eval/test_unseen_facts/pass_at_1" in r for r in evals)
 
 
-def test_off_policy_quick(tiny_dir, tmp_path):
-    """Two N values for async_dpo.py; corrected RLOO and the two controls at one: the table and the plots come out,
-    every run logged its final gold win rate and its lag, and N mini-batches per round give the staleness they
-    should (0..N-1 in the first round, N..2N-1 after): N mini-batches share one set of generating weights, so
-    staleness climbs within a round."""
+@pytest.mark.slow
+def test_off_policy_one_run(tiny_dir, tmp_path):
+    """What only a run shows (the tables, on the archived sweep's 81 runs: test_archives.py): the sweep's flags reach
+    async_dpo.py. N = 2 mini-batches a round, on one set of generating weights a round behind: staleness 0..1 in the
+    first round, 2..3 after, climbing within a round, 16 prompts a step; the final evaluation after the last step,
+    its win rate a count of half-wins over its prompts; the table's row and the plots from the run."""
     runs, plots = tmp_path / "runs", tmp_path / "plots" / "new"  # (a plot folder not there yet is made)
-    result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(plots), "--runs_dir", str(runs),
-                        script=os.path.join("benchmarks", "off_policy.py"))
+    result = run_script("--quick", "--algorithms", "dpo", "--n_values", "2", "--tiny_dir", tiny_dir, "--plot_dir",
+                        str(plots), "--runs_dir", str(runs), script=os.path.join("benchmarks", "off_policy.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| dpo |") and ".." in line]
-    assert [row.split(" | ")[1:3] for row in rows] == [["1", "0..1"], ["2", "0..3"]], result.stdout
-    assert "| dpo | +" in result.stdout or "| dpo | -" in result.stdout  # the drop from N = 1, paired by seed
-    dips = result.stdout.split("each eighth of its steps")[1].split("\n\n")[1].splitlines()[2:]  # the reward's low
-    assert [row.split(" | ")[:2] for row in dips][:2] == [["| dpo", "1"], ["| dpo", "2"]], result.stdout
-    first, lowest, last = (float(cell.split(" ± ")[0]) for cell in dips[0].strip("| ").split(" | ")[2:5])
-    assert lowest <= min(first, last), dips[0]
-    assert "| rloo (recompute + truncated IS) | 2 | 0..3 |" in result.stdout  # the off-policy correction
-    assert "rloo N = 2: w from " in result.stdout  # and the weights it applied, summarised
-    # the paper's two controls and DPO's two variants (benchmarks/dpo_variants.py), with the lag each run measured
-    # and, for DPO's family, the share of tied prompts left out
-    for control in ("bo2_sft", "copg", "dpo_linear"):
-        row = next(line for line in result.stdout.splitlines() if line.startswith(f"| {control} | 2 |"))
-        lag_kl, update = (float(cell.split(" ± ")[0]) for cell in row.split(" | ")[8:10])
-        assert lag_kl > 0 and update > 0, row
-        assert row.split(" | ")[10].endswith("%") == (control != "copg"), row
-    kept = rows[1].split(" | ")[4]  # N = 2's share of N = 1's gain over the SFT policy (scored on the same prompts)
-    assert kept.endswith("%") or kept == "no gain", rows[1]
-    corrected, _ = read_metrics(runs / "rloo_corrected_n2_seed1", step_metric="is/weight_mean")
-    assert len(corrected) == 128 // 16 and abs(corrected[0]["is/weight_mean"] - 1) < 1e-5
+    assert [row.split(" | ")[1:3] for row in rows] == [["2", "0..3"]], result.stdout
     for name in ("off_policy_frontier.png", "off_policy_by_n.png", "off_policy_by_lag.png"):
         assert (plots / name).stat().st_size > 1000
-    for n in (1, 2):
-        steps, evals = read_metrics(runs / f"dpo_n{n}_seed1", eval_metric="eval/gold_win_rate")
-        assert len(steps) == 128 // 16  # (the sweep's batch: 16 prompts a step)
-        final, n_prompts = evals[-1], evals[-1]["eval/num_prompts"]  # the table's figure: the final evaluation's
-        assert final["step"] == len(steps) and (2 * final["eval/gold_win_rate"] * n_prompts).is_integer()
-        assert [r["staleness"] for r in steps] == ([0] + [1] * 7 if n == 1 else [0, 1] + [2, 3] * 3)
-        for r in steps:
-            position = (r["step"] - 1) % n  # the mini-batch's place in its round
-            assert r["staleness"] == (position if r["round"] == 0 else n + position), r
-    # Run again over the same folders, with one run stopped half-way: the finished runs are read back, the stopped
-    # one runs again (the same seed: the same run), and the table is the same but for the times
-    metrics = runs / "copg_n2_seed1" / "metrics.jsonl"
-    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:5]))
-    again = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
-                       script=os.path.join("benchmarks", "off_policy.py"))
-    assert again.returncode == 0, again.stderr[-3000:]
-    started = [line for line in again.stdout.splitlines() if line.startswith("[")]
-    assert [line.split(" (")[0] for line in started] == ["[5/6] copg_n2_seed1"], again.stdout
-    assert table(again.stdout) == table(result.stdout), again.stdout
+    steps, evals = read_metrics(runs / "dpo_n2_seed1", eval_metric="eval/gold_win_rate")
+    assert len(steps) == 128 // 16  # (the sweep's batch: 16 prompts a step)
+    final, n_prompts = evals[-1], evals[-1]["eval/num_prompts"]  # the table's figure: the final evaluation's
+    assert final["step"] == len(steps) and (2 * final["eval/gold_win_rate"] * n_prompts).is_integer()
+    assert [r["staleness"] for r in steps] == [0, 1] + [2, 3] * 3
+    for r in steps:
+        position = (r["step"] - 1) % 2  # the mini-batch's place in its round
+        assert r["staleness"] == (position if r["round"] == 0 else 2 + position), r
+
+
+def test_a_sweep_reads_finished_runs_back_and_runs_a_stopped_one_again(tmp_path, capsys):
+    """off_policy.py's train (every TL;DR sweep's): a run whose metrics end with its final evaluation after its last
+    step is read back, not run again; one stopped half-way (its metrics cut short) is not finished, so a sweep run
+    again starts it afresh."""
+    from benchmarks import off_policy
+
+    out = tmp_path / "run"
+    out.mkdir()
+    records = [{"staleness": 0, "step": 1, "reward/mean": 0.5, "lag/kl": 0.0, "lag/update": 0.1},
+               {"staleness": 1, "step": 2, "reward/mean": 0.6, "lag/kl": 0.1, "lag/update": 0.1}]
+    evals = [{"step": s, "eval/gold_win_rate": w, "time/elapsed": 3.0} for s, w in ((0, 0.3), (2, 0.4))]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [evals[0], *records, evals[1]]))
+    assert off_policy.finished(str(out / "metrics.jsonl"), 2)
+    run = off_policy.train("async_dpo.py", ["--not_a_flag"], str(out), 2, "running it")
+    assert run["final"]["eval/gold_win_rate"] == 0.4 and run["staleness"] == [0, 1]
+    assert "running it" not in capsys.readouterr().out  # (read back: the flag would have failed a run)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [evals[0], records[0]]))
+    assert not off_policy.finished(str(out / "metrics.jsonl"), 2)
 
 
 def table(console: str) -> list[str]:
@@ -299,23 +304,24 @@ def table(console: str) -> list[str]:
     return [line.rsplit(" | ", 1)[0] for line in console.splitlines() if line.startswith("| ")]
 
 
-def test_scaling_quick(tiny_dir, sized_dir, tmp_path):
-    """benchmarks/scaling.py --quick on the quick sized world: the sizes' table with each proxy's agreement on each
-    size's samples, the tuning's table, a row for every (policy, N) point of the gold arm (the world's gold reward
-    model as the reward) with its lag, the statistic fixed before the runs, and both plots."""
-    result = run_script("--quick", "--tiny_dir", tiny_dir, "--sized_dir", sized_dir, "--plot_dir", str(tmp_path),
-                        script=os.path.join("benchmarks", "scaling.py"))
+@pytest.mark.slow
+def test_scaling_one_run(tiny_dir, sized_dir, tmp_path):
+    """benchmarks/scaling.py --quick on the quick sized world, one run (the tables, on the archived sweep:
+    test_archives.py): the sizes' table of the build, with each proxy's agreement on each size's samples; the smallest
+    policy, sized apart from the world's, trained against the world's gold reward model (the gold arm) at N = 1: its
+    tuning row, its point with its measured lag, the KL table and both plots."""
+    result = run_script("--quick", "--sizes", "small", "--n_values", "1", "--tiny_dir", tiny_dir, "--sized_dir",
+                        sized_dir, "--plot_dir", str(tmp_path), script=os.path.join("benchmarks", "scaling.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split(" | ") for line in table(result.stdout) if line.startswith(("| small", "| base"))]
     sizes = [row for row in rows if row[0].endswith("layers)")]
     assert [row[0] for row in sizes] == ["| small (64 wide, 2 layers)", "| base (128 wide, 2 layers)"], result.stdout
     assert all(len(row) == 5 for row in sizes)  # agreement on every size's samples, on each size's own (the last cut)
     points = [row for row in rows if row not in sizes and len(row) >= 11]
-    assert [row[:4] for row in points] == [["| small", "gold", "tuned", "1"], ["| small", "gold", "tuned", "2"],
-                                           ["| base", "gold", "tuned", "1"], ["| base", "gold", "tuned", "2"]]
+    assert [row[:4] for row in points] == [["| small", "gold", "tuned", "1"]], result.stdout
     assert all(float(row[9].split(" ± ")[0]) > 0 and float(row[10].split(" ± ")[0]) > 0 for row in points)  # lags
-    assert "d_base - d_small on the win rate (gold, tuned; the hypothesis predicts > 0): " in result.stdout
-    assert "Holm within this table" in result.stdout and "KL(pi || pi_SFT) at the last step" in result.stdout
+    assert "| small | gold | " in result.stdout.split("Tuning at N = 1")[1]
+    assert "KL(pi || pi_SFT) at the last step" in result.stdout
     for name in ("scaling_by_n.png", "scaling_by_lag.png"):
         assert (tmp_path / name).stat().st_size > 1000
 
@@ -335,52 +341,46 @@ def test_lag_cost_prints_the_tiny_policys_measurement(tiny_dir):
     assert float(row.split(" | ")[4].split()[0]) > 0
 
 
-def test_sampling_seeds_cost_prints_both_requests(tiny_dir):
-    result = run_script("--tiny_dir", tiny_dir, "--repeats", "1",
-                        script=os.path.join("benchmarks", "sampling_seeds.py"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith(("| training", "| evaluation"))]
-    assert len(rows) == 2 and all(row.endswith("% |") for row in rows), result.stdout
+@pytest.mark.slow
+def test_compute_optimal_one_run_and_its_archive(tiny_dir, tmp_path):
+    """benchmarks/compute_optimal.py --quick, one run (the tables: on the archived sweep, test_archives.py): T = 2
+    takes two steps on each round's batch, with evaluations at the episodes asked, its learning rate decayed linearly
+    to 0 over its steps; every step logs its pairs' median reward margin (NaN where a step had no pair: T = 2's one
+    prompt, its two completions tied); its row, its regime line and its plot. The design's training-bound rows: K = 4
+    takes half K = 2's episodes at half its learning rate. Then the run packed into an archive and unpacked elsewhere:
+    the same table, recomputed without running anything."""
+    from benchmarks import compute_optimal
 
-
-def test_compute_optimal_quick(tiny_dir, tmp_path):
-    """benchmarks/compute_optimal.py --quick: a row for T = 2 (generation-bound) and for K = 4 (training-bound), each
-    with its measured generation and training times; T = 2 takes two steps on each round's batch, with evaluations at
-    the episodes asked; K = 4 takes half the episodes at half the learning rate; every step logs its pairs' median
-    reward margin; both plots."""
+    rows = compute_optimal.design(compute_optimal.Args())
+    k2, k4 = rows["training-bound", "async K = 2"], rows["training-bound", "async K = 4"]
+    assert k4[0] == k2[0] == "async_dpo.py" and k4[2] * 2 == k2[2] and k4[5:] == (4, k2[6] / 2)
+    assert k4[3] * 15 == k4[2] and k2[3] * 15 == k2[2]  # (as many evaluations, whatever the length)
     runs = tmp_path / "runs"
-    result = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs),
-                        "--training_bound_lr", "1e-4", script=os.path.join("benchmarks", "compute_optimal.py"))
+    command = ("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir", str(runs))
+    result = run_script(*command, script=os.path.join("benchmarks", "compute_optimal.py"))
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split(" | ")[:2] for line in table(result.stdout) if line.startswith(("| generation", "| training"))]
-    assert rows == [["| generation-bound", "T = 2"], ["| training-bound", "async K = 4"]], result.stdout
-    assert result.stdout.count(", generation / training ") == 2 and result.stdout.count("'s regime: ") == 2
+    printed = [line.split(" | ")[:2] for line in table(result.stdout) if line.startswith(("| generation", "| train"))]
+    assert printed == [["| generation-bound", "T = 2"]], result.stdout
+    assert result.stdout.count(", generation / training ") == 1 and result.stdout.count("'s regime: ") == 1
+    assert (tmp_path / "compute_optimal_generation_bound.png").stat().st_size > 1000
     t2, t2_evals = read_metrics(runs / "generation-bound_T2_seed1", eval_metric="eval/gold_win_rate")
-    k4, _ = read_metrics(runs / "training-bound_async_K4_seed1", eval_metric="eval/gold_win_rate")
-    # a pair's best minus its worst; NaN where a step had no pair (T = 2's one prompt: its two completions tied)
-    margins = [r["reward/margin_median"] for r in t2 + k4]
-    assert all(m > 0 for m in margins if not math.isnan(m)), margins
-    assert sum(math.isnan(m) for m in margins[:len(t2)]) < len(t2) / 2 and not any(map(math.isnan, margins[len(t2):]))
-    # 32 prompts one at a time, two steps on each, evaluated every 16 prompts
+    margins = [r["reward/margin_median"] for r in t2]  # a pair's best minus its worst
+    assert all(m > 0 for m in margins if not math.isnan(m)) and sum(map(math.isnan, margins)) < len(t2) / 2, margins
+    # 32 prompts one at a time, two steps on each, evaluated every 16 prompts; the lr linear to 0 over the 64 steps
     assert len(t2) == 2 * 32 and [r["round"] for r in t2] == [r // 2 for r in range(64)]
     assert [e["episode"] for e in t2_evals] == [0, 16, 32]
-    # K = 4: the K = 2 runs' 128 prompts halved, at 32 a step, and the learning rate halved (1e-4 / 2), decayed
-    # linearly to 0 over its 2 steps
-    assert [r["episode"] for r in k4] == [32, 64] and math.isclose(k4[0]["lr"], 1e-4 / 2 * (1 - 1 / 2))
-    for name in ("compute_optimal_generation_bound.png", "compute_optimal_training_bound.png"):
-        assert (tmp_path / name).stat().st_size > 1000
-    # The sweep packed into an archive and unpacked elsewhere: the same tables, recomputed without running anything
+    lr = rows["generation-bound", "T = 2"][6]
+    assert all(math.isclose(r["lr"], lr * (1 - r["step"] / 64), abs_tol=1e-12) for r in t2), [r["lr"] for r in t2]
+    # The sweep packed into an archive and unpacked elsewhere: the same table, recomputed without running anything
     archive, unpacked = tmp_path / "sweep.tar.xz", tmp_path / "unpacked"
     packed = run_script(str(runs), str(archive), script=os.path.join("benchmarks", "archive_runs.py"))
-    assert packed.returncode == 0 and "2 runs packed" in packed.stdout, packed.stderr[-3000:]
+    assert packed.returncode == 0 and "1 runs packed" in packed.stdout, packed.stderr[-3000:]
     unpacked.mkdir()
     with tarfile.open(archive) as tar:
         tar.extractall(unpacked, filter="data")
     for folder in (unpacked / "runs").iterdir():  # (the final evaluation's first two summaries kept, no other)
         kept = [r.get("eval/samples") for r in map(json.loads, open(folder / "metrics.jsonl"))]
         assert len(kept[-1]) == 2 and kept[-1][0]["response"] and not any(kept[:-1]), kept
-    again = run_script("--quick", "--tiny_dir", tiny_dir, "--plot_dir", str(tmp_path), "--runs_dir",
-                       str(unpacked / "runs"), "--training_bound_lr", "1e-4",
-                       script=os.path.join("benchmarks", "compute_optimal.py"))
+    again = run_script(*command[:-1], str(unpacked / "runs"), script=os.path.join("benchmarks", "compute_optimal.py"))
     assert again.returncode == 0 and "[1/" not in again.stdout, again.stderr[-3000:]  # (nothing ran)
     assert table(again.stdout) == table(result.stdout)

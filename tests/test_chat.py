@@ -85,6 +85,7 @@ def test_end_of_turn_follows_the_chat_template(chat_world):
         assert tokenizer.convert_ids_to_tokens(end_of_turn_id(tokenizer)) == expected, template
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["async_dpo.py", "async_ppo.py"])
 def test_chat_dataset_trains_end_to_end(chat_world, tiny_dir, script, tmp_path):
     """A chat dataset trains: its too-long chats left out and counted, the prompts the template's, sampling stopping
@@ -120,6 +121,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_judge_asks_both_orders_of_a_real_server_and_resumes(chat_world, tmp_path):
     """benchmarks/judge.py against `vllm serve` of the tiny chat policy, which answers garbage: both orders of every
     prompt are asked and written down, a reply naming neither output is counted as unparsed, and a second run asks
@@ -167,6 +169,7 @@ def test_judge_asks_both_orders_of_a_real_server_and_resumes(chat_world, tmp_pat
         log.close()
 
 
+@pytest.mark.slow
 def test_reward_chat_template_gets_a_chat_datasets_own_turns(chat_world, tiny_dir, tmp_path):
     """--reward_chat_template with a chat dataset: the reward model's template gets the chat's own turns (looked up
     by the prompt's ids, as the scripts tokenise them), then the completion as the assistant's, not the policy's

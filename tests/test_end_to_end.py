@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 from conftest import TORCHRUN_2, run_script
+from test_resume import run_and_stop
 
 from plumbing import metrics
 
@@ -67,6 +68,7 @@ def run_tiny(script: str, world_dir: str, out, *flags: str, step_metric: str, ev
     return *read_metrics(str(out), step_metric, eval_metric), result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     """The README's demo (the tiny defaults), with wandb in offline mode and the model saved."""
     out = tmp_path / "run"
@@ -118,6 +120,16 @@ def test_tiny_demo_learns_with_staleness_one(tiny_dir, tmp_path):
     # The console shows the run, the progress and the evaluations; vLLM's own log went to a file
     console = result.stderr + result.stdout
     assert "eval @ step 60" in console
+    # where its first seconds went, once, at its first step: the learner's phases in order, vLLM's own process
+    startup = [line for line in console.replace("\r", "\n").splitlines() if line.startswith("start-up: ")]
+    assert len(startup) == 1, startup
+    from benchmarks.startup import phases
+
+    parsed = phases(startup[0])  # (what benchmarks/startup.py reads)
+    assert [name for name in parsed if ":" not in name] == [
+        "imports", "flags and world", "data", "models", "vLLM ready", "step-0 evaluation", "first step"], startup
+    assert {"vLLM ready: imports", "vLLM ready: vLLM's import", "vLLM ready: engine",
+            "step-0 evaluation: sampling"} <= set(parsed), startup
     # and ends with which side waited for the other, from the run's own timings (docs/evaluation.md)
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert metrics.regime(records) in console.splitlines(), console[-2000:]
@@ -131,15 +143,17 @@ SHORT_RUN = ("--total_episodes", "192", "--eval_every", "3", "--num_eval_prompts
 
 
 @pytest.fixture(scope="module")
-def single_process_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
+def single_process_run(tiny_dir, tmp_path_factory):
+    """Its folder: the 6-step run straight through, which two learner ranks must follow."""
     out = tmp_path_factory.mktemp("single")
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN, "--verbose")
     assert result.returncode == 0, result.stderr[-3000:]
     # --verbose: vLLM's log on the console instead of in a file
     assert "vllm" in result.stderr.lower() and not (out / "generator.log").exists()
-    return read_metrics(str(out))
+    return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, sharding):
     """Two learner ranks on CPU (gloo), DDP or FSDP2; rank 0 owns the generator and shares batches. Same seed, same
@@ -147,17 +161,25 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
     prompts (33 and 32 a rank) and the final one's 129 (65 and 64) are all scored, none dropped to make the shares
     equal; under FSDP2 every forward of a sharded model is a collective, and the rank with 64 prompts (two whole
     chunks of 32) runs as many forwards as the one with 65 (three): the ranks' collectives used to fall out of step
-    there (gloo aborted rank 1; NCCL would hang)."""
-    out = tmp_path / "run"
-    result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), *SHORT_RUN,
-                        *(["--fsdp", "--save_model"] if sharding == "fsdp" else []),
-                        launcher=TORCHRUN_2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    there (gloo aborted rank 1; NCCL would hang). The DDP run is stopped by SIGTERM after 2 steps (every rank agrees
+    on the round to save at, and saves its own RNG states) and resumed, and still follows the one process."""
+    out, flags = tmp_path / "run", ("--model", "tiny", "--tiny_dir", tiny_dir, *SHORT_RUN)
+    if sharding == "ddp":
+        run_and_stop("async_dpo.py", out, 2, *flags, launcher=TORCHRUN_2)
+        import torch
+
+        saved = torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+        assert [set(states) for states in saved["rng"]] == [{"python", "numpy", "torch", "cuda"}] * 2
+        result = run_script(*flags, "--resume_from", str(out), launcher=TORCHRUN_2)
+        assert result.returncode == 0 and "resumed at step" in result.stdout, result.stderr[-3000:]
+    else:
+        result = run_script(*flags, "--output_dir", str(out), "--fsdp", "--save_model", launcher=TORCHRUN_2)
+        assert result.returncode == 0, result.stderr[-3000:]
     steps, evals = read_metrics(str(out))
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(set(STEP_METRICS) <= set(r) for r in steps)
     assert [r["step"] for r in evals] == [0, 3, 6] and [r["eval/num_prompts"] for r in evals] == [129, 65, 129]
-    single_steps, single_evals = single_process_run
+    single_steps, single_evals = read_metrics(str(single_process_run))
     for key in ("reward/mean", "loss/dpo", "logps/chosen"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3)
     assert [r["eval/proxy_win_rate"] for r in evals] == [r["eval/proxy_win_rate"] for r in single_evals]

@@ -36,6 +36,7 @@ def claim_and_release(address: tuple, engine: int, loaded: int, rounds: int, out
     out.put(got)
 
 
+@pytest.mark.slow
 def test_the_record_never_gives_a_group_twice_under_racing_engines():
     """Three processes claim and release 200 groups each on one real store as fast as they can: every index from 0 to
     599 is claimed exactly once, every finishing place once, and the record ends with nothing running."""
@@ -70,14 +71,18 @@ def audit(out) -> list:
 
 @pytest.mark.parametrize("policy, inflight", [("pace", False), ("pace", True), ("head", False), ("head", True),
                                               ("drop", False)])
+@pytest.mark.slow
 def test_two_engines_keep_the_bound_and_account_for_every_group(chains_dir, tmp_path, policy, inflight):
-    """G = 2, k = 2 (B = 16 groups, 4 steps): both engines sample; every group index is sampled once and either
-    trained on or discarded once (none lost, none twice); under `pace` no group trains more than 2 versions after
-    its oldest token was sampled, in flight too; under `head` only each engine's lead over the learner is bounded
-    (with one engine, draining, `head` is `pace`; with two, a group admitted by the engine with the older version
-    may arrive staler); `drop`, with room for 4 batches, discards what arrives staler and trains on nothing
-    staler."""
-    flags = ["--inflight_updates"] if inflight else ["--max_in_flight", "64"] if policy == "drop" else []
+    """G = 2, k = 2 (64 groups: B = 16 a step draining, B = 4 in flight): both engines sample; every group index is
+    sampled once and either trained on or discarded once (none lost, none twice); under `pace` no group trains more
+    than 2 versions after its oldest token was sampled, in flight too; under `head` only each engine's lead over the
+    learner is bounded (with one engine, draining, `head` is `pace`; with two, a group admitted by the engine with
+    the older version may arrive staler); `drop`, with room for 4 batches, discards what arrives staler and trains
+    on nothing staler."""
+    # (in flight: B = 4 groups a step, 16 steps, so that the learner's steps are short and versions arrive while
+    # completions sample, as in test_fully_async.py; draining: B = 16, 4 steps)
+    flags = ["--inflight_updates", "--batch_size", "16", "--per_device_train_batch_size", "16"] if inflight else \
+        ["--max_in_flight", "64"] if policy == "drop" else []
     result = run_script(*stream_flags(chains_dir, tmp_path, *FOUR_STEPS, "--num_generators", "2", "--record_rollouts",
                                       "--stale_policy", policy, *flags), script="fully_async_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -114,6 +119,7 @@ def test_k_zero_with_two_engines_is_on_policy_and_one_killed_stops_the_run(chain
     assert idle_seconds > 0.8 * sum(r["time/training"] for r in steps[:-1]), steps
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_two_engines(chains_dir, tmp_path):
     process = start_stream(chains_dir, tmp_path, "--max_staleness", "2", "--num_generators", "2",
                            "--total_episodes", "100000")
@@ -143,6 +149,7 @@ def start_two_nodes(chains_dir: str, out, *flags: str) -> list:
     return nodes
 
 
+@pytest.mark.slow
 def test_two_nodes_weights_reach_the_second_nodes_engine_exactly(chains_dir, tmp_path):
     """Two nodes, one engine each, k = 2, pace: each new version reaches node 1's slots over torch.distributed
     (gloo here) bit for bit: every token either engine sampled has its own version's log-prob (the audit of
@@ -164,6 +171,7 @@ def test_two_nodes_weights_reach_the_second_nodes_engine_exactly(chains_dir, tmp
     assert (mislabelled["engine1"] > token_versions.TOLERANCE).float().mean() > 0.2
 
 
+@pytest.mark.slow
 def test_an_engine_killed_on_the_second_node_stops_both(chains_dir, tmp_path):
     """Node 1's engine dies: both nodes exit within seconds, one of them with the engine's error and the other with
     one line (never a traceback from inside torch), and nothing either started is left."""

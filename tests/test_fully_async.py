@@ -194,6 +194,7 @@ def test_pace_sigterm_and_resume(chains_dir, tmp_path):
     assert [r["eval/num_prompts"] for r in evals] == [32, 32]  # the baseline on the final evaluation's prompts
 
 
+@pytest.mark.slow
 def test_drop_discards_what_arrives_too_stale_under_torchrun(chains_dir, tmp_path):
     """k = 1, drop, two learner processes: the generator samples as far ahead as the stream holds (4 batches: more
     than the bound's own room, 2, at which nothing would be discarded); what arrives more than 1 version behind the
@@ -213,6 +214,7 @@ def test_drop_discards_what_arrives_too_stale_under_torchrun(chains_dir, tmp_pat
 # k = 0, a dead engine and Ctrl-C: tests/test_engines.py, with two engines
 
 
+@pytest.mark.slow
 def test_every_tokens_log_prob_is_its_own_versions(chains_dir, tmp_path):
     """In-flight weight updates (k = 2, B = 4 groups a step: versions arrive while completions sample): each
     completion's tokens are labelled with the versions that sampled them. `recompute`: every token's log-prob from the

@@ -4,6 +4,7 @@ import os
 import queue
 import tempfile
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -12,6 +13,7 @@ import async_dpo
 from plumbing import core, generator_io
 
 
+@pytest.mark.slow
 def test_generator_loads_weight_snapshots_and_matches_the_learner(tiny_dir):
     sft = os.path.join(tiny_dir, "sft")
     tokenizer = AutoTokenizer.from_pretrained(sft)
@@ -101,6 +103,7 @@ def prefix_cache_resets(sft: str, prompt: list, reports) -> None:
     reports.put(dict(seen, finished=finished))
 
 
+@pytest.mark.slow
 def test_a_prefix_cache_reset_vllm_refuses_is_an_error(tiny_dir):
     """vLLM empties its prefix cache only when no KV block is in use, and says so by returning False, which the
     scripts used to ignore (prompt KV from older weights would then stay in use, silently). reset_prefix_cache

@@ -87,6 +87,7 @@ def run_gsm8k(gsm8k_dir: str, out, *flags: str) -> tuple[list, list, str]:
     return run_tiny("gsm8k_async_dpo.py", gsm8k_dir, out, *flags, step_metric="loss/dpo", eval_metric="eval/pass_at_1")
 
 
+@pytest.mark.slow
 def test_tiny_gsm8k_demo_learns_with_staleness_one(gsm8k_dir, tmp_path):
     """The README's GSM8k demo: asynchronous Online DPO on the miniature, one step stale."""
     steps, evals, console = run_gsm8k(gsm8k_dir, tmp_path / "run")

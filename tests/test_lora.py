@@ -10,7 +10,6 @@ import torch
 from conftest import REPO, TORCHRUN_2, run_script
 from test_end_to_end import read_metrics
 from test_fully_async import stream_flags, stream_metrics
-from test_resume import RUN, assert_same_run, run_and_stop
 from transformers import AutoModelForCausalLM
 
 import async_dpo
@@ -79,6 +78,7 @@ def test_the_sampler_samples_with_the_learners_adapter_and_a_skipped_delivery_is
     ("async_rloo.py", ("--recompute_old_logprobs", "--is_correction", "truncate")),
     ("gsm8k_async_dpo.py", ()),
 ])
+@pytest.mark.slow
 def test_every_one_step_script_trains_an_adapter_exact_at_its_first_step(script, flags, tmp_path):
     """With LoRA, the first step reads completions of the SFT weights with a learner that is the SFT weights (B = 0):
     PPO's and RLOO's ratio and importance weight are 1, GSM8k's DPO loss is ln 2; then the adapter moves."""
@@ -95,6 +95,7 @@ def test_every_one_step_script_trains_an_adapter_exact_at_its_first_step(script,
     assert all(r["lag/update"] > 0 for r in steps)
 
 
+@pytest.mark.slow
 def test_async_dpo_with_lora_sharded_over_two_ranks_saves_the_adapter_and_the_merged_model(tiny_dir, tmp_path):
     """Two FSDP2 ranks (the reference's forwards are collectives too: as many on each rank), the first DPO loss
     ln 2; --save_model writes the adapter in PEFT's format, loadable with PeftModel.from_pretrained, and
@@ -118,6 +119,7 @@ def test_async_dpo_with_lora_sharded_over_two_ranks_saves_the_adapter_and_the_me
             assert not torch.allclose(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_every_token_of_the_stream_is_its_versions_adapter(chains_dir, tmp_path):
     """fully_async_grpo.py with LoRA (k = 2, draining before each load): each recorded version is an adapter; every
     token's sampler log-prob equals its own version's recomputed by the learner's model (the SFT weights with that
@@ -137,20 +139,7 @@ def test_every_token_of_the_stream_is_its_versions_adapter(chains_dir, tmp_path)
     assert (mislabelled["first"] > token_versions.TOLERANCE).float().mean() > 0.2, mislabelled
 
 
-def test_a_lora_run_stopped_and_resumed_is_the_run_that_never_stopped(tiny_dir, tmp_path):
-    """The checkpoint holds what trains (the adapter and its AdamW state; the frozen base is the SFT checkpoint's):
-    stopped by SIGTERM and resumed, every step and evaluation equals the straight run's exactly."""
-    straight = tmp_path / "straight"
-    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--output_dir", str(straight), "--save_every", "2",
-                        "--lora_rank", "8", "--learning_rate", "1e-3")
-    assert result.returncode == 0, result.stderr[-3000:]
-    stopped = tmp_path / "stopped"
-    run_and_stop("async_dpo.py", tiny_dir, stopped, 2, "--lora_rank", "8", "--learning_rate", "1e-3")
-    result = run_script(*RUN, "--tiny_dir", tiny_dir, "--save_every", "100", "--resume_from", str(stopped),
-                        "--lora_rank", "8", "--learning_rate", "1e-3")
-    assert result.returncode == 0 and "resumed at step" in result.stdout, result.stderr[-3000:]
-    assert_same_run(straight, stopped, ("loss/dpo", "logps/chosen", "logps/rejected", "reward/mean",
-                                        "logps/generator_gap"))
+# (a LoRA run stopped by SIGTERM and resumed is the run that never stopped: test_resume.py, whose run is LoRA-DPO)
 
 
 SAMPLE_WITH_AN_ADAPTER = """
@@ -173,6 +162,7 @@ print(json.dumps(rows))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
 def test_an_adapter_on_a_model_vllm_implements_itself(architecture, tmp_path):
     """The tiny worlds' GPT-NeoX runs in vLLM through its Transformers backend; Qwen2 and Llama (the hub's usual

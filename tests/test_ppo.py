@@ -10,8 +10,10 @@ from test_end_to_end import (
     SHORT_RUN,
     assert_importance_weights_start_at_one,
     assert_win_rate_rises,
+    read_metrics,
     run_tiny,
 )
+from test_resume import COMPARED, assert_same_run, run_and_stop
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from async_ppo import (
@@ -147,6 +149,7 @@ def run_ppo(tiny_dir: str, out, *flags: str, **kwargs) -> tuple[list, list]:
     return run_tiny("async_ppo.py", tiny_dir, out, *flags, step_metric="loss/policy", **kwargs)[:2]
 
 
+@pytest.mark.slow
 def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_path):
     """The README's PPO demo (the tiny defaults)."""
     steps, evals = run_ppo(tiny_dir, tmp_path / "run", "--save_model")
@@ -180,20 +183,25 @@ SHORT_CORRECTED_RUN = (*SHORT_RUN, "--recompute_old_logprobs", "--gradient_check
 
 
 @pytest.fixture(scope="module")
-def single_process_run(tiny_dir, tmp_path_factory) -> tuple[list, list]:
-    return run_ppo(tiny_dir, tmp_path_factory.mktemp("single"), *SHORT_CORRECTED_RUN)
+def single_process_run(tiny_dir, tmp_path_factory):
+    """Its folder: the run straight through, which the two ranks and the resumed run must follow."""
+    out = tmp_path_factory.mktemp("single")
+    run_ppo(tiny_dir, out, *SHORT_CORRECTED_RUN)
+    return out
 
 
+@pytest.mark.slow
 def test_recomputed_old_logprobs_hide_the_staleness(single_process_run):
     """The paper code's pi_old, recomputed by the learner just before its update: the ratio is 1 at every step
     although the batch was sampled by weights a step behind (the generator gap says so)."""
-    steps, _ = single_process_run
+    steps, _ = read_metrics(str(single_process_run), step_metric="loss/policy")
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert all(abs(r["policy/ratio_mean"] - 1) < 1e-5 and r["policy/approx_kl"] < 1e-9 for r in steps)
     assert all(abs(r["logps/generator_gap"]) > 1e-4 for r in steps[1:])
     assert_importance_weights_start_at_one(steps)  # (the truncated correction on top: w = 1 at step 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, sharding):
     """Two learner ranks, policy and value model under one DDP or FSDP2 wrapper: same seed, same trajectory as one
@@ -202,10 +210,26 @@ def test_torchrun_two_learner_processes(tiny_dir, tmp_path, single_process_run, 
                            *(["--fsdp"] if sharding == "fsdp" else []), launcher=TORCHRUN_2)
     assert [r["staleness"] for r in steps] == [0] + [1] * 5
     assert [r["step"] for r in evals] == [0, 3, 6]
-    single_steps, single_evals = single_process_run
+    single_steps, single_evals = read_metrics(str(single_process_run), step_metric="loss/policy")
     for key in ("reward/mean", "loss/policy", "loss/value", "objective/kl", "policy/ratio_max"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-3, abs=1e-3), key
     assert [r["eval/gold_win_rate"] for r in evals] == [r["eval/gold_win_rate"] for r in single_evals]
+
+
+@pytest.mark.slow
+def test_stopped_and_resumed_into_another_folder_is_the_run_that_never_stopped(tiny_dir, tmp_path,
+                                                                               single_process_run):
+    """PPO (policy and value model under one optimizer, pi_old recomputed, gradient checkpointing) stopped by SIGTERM
+    after 2 steps and resumed with --output_dir elsewhere: metrics.jsonl there starts with the records the checkpoint
+    covers, copied from the stopped run's (the file used to be extended with NUL bytes), and continues: every step
+    and evaluation is the straight run's, exactly; the stopped run's folder is left as it was."""
+    stopped = tmp_path / "stopped"
+    run_and_stop("async_ppo.py", stopped, 2, "--model", "tiny", "--tiny_dir", tiny_dir, *SHORT_CORRECTED_RUN)
+    before = (stopped / "metrics.jsonl").read_bytes()
+    steps, _ = run_ppo(tiny_dir, tmp_path / "elsewhere", *SHORT_CORRECTED_RUN, "--resume_from", str(stopped))
+    assert b"\0" not in (tmp_path / "elsewhere" / "metrics.jsonl").read_bytes()
+    assert_same_run(single_process_run, tmp_path / "elsewhere", COMPARED["async_ppo.py"])
+    assert (stopped / "metrics.jsonl").read_bytes() == before
 
 
 def test_the_lag_update_is_the_policys_step_alone(tiny_dir, tmp_path):

@@ -140,6 +140,7 @@ def other_vocabulary_policy(tiny_dir, tmp_path_factory) -> str:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["async_dpo.py", "async_ppo.py"])
 def test_a_policy_with_another_vocabulary_trains(tiny_dir, other_vocabulary_policy, tmp_path, script):
     """Both reward models of the tiny world read the other policy's completions as text; PPO's value model, which

@@ -66,6 +66,7 @@ def run_rloo(tiny_dir: str, out, *flags: str, **kwargs) -> tuple[list, list]:
     return run_tiny("async_rloo.py", tiny_dir, out, *flags, step_metric="loss/policy", **kwargs)[:2]
 
 
+@pytest.mark.slow
 def test_tiny_demo_learns_with_the_generators_logprobs_as_pi_old(tiny_dir, tmp_path):
     """The README's RLOO demo (the tiny defaults)."""
     steps, evals = run_rloo(tiny_dir, tmp_path / "run")
@@ -217,6 +218,7 @@ def test_four_samples_per_prompt(four_samples_run):
     assert all(r["advantage/std"] > 0 and (r["eos/fraction"] * 32 * 4).is_integer() for r in steps)
 
 
+@pytest.mark.slow
 def test_torchrun_two_learner_processes(tiny_dir, tmp_path, four_samples_run):
     """Two learner ranks under DDP: same seed, same trajectory as one process (pi_old recomputed by each rank's
     learner, the advantages whitened over both ranks' completions)."""

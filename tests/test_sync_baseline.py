@@ -2,10 +2,12 @@
 import json
 import os
 
+import pytest
 from conftest import TORCHRUN_2, run_script
 from test_end_to_end import EVAL_METRICS, STEP_METRICS, assert_win_rate_rises, read_metrics
 
 
+@pytest.mark.slow
 def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path):
     out = tmp_path / "run"
     result = run_script("--model", "tiny", "--tiny_dir", tiny_dir, "--output_dir", str(out), "--total_episodes", "640",
@@ -28,6 +30,7 @@ def test_sync_baseline_is_on_policy_and_learns(tiny_dir, tmp_path):
     assert all(abs(r["logps/generator_gap"]) < 1e-4 and r["lag/kl"] < 1e-8 and r["lag/kl_token"] < 1e-8 for r in steps)
 
 
+@pytest.mark.slow
 def test_transformers_generation_under_torchrun_learns_and_saves_every_final_completion(tiny_dir, tmp_path):
     """benchmarks/sync_hf.py (sync_baseline.py with transformers' generate in the generator process, the paper's "why
     vLLM" comparison) on two learner ranks: on-policy at every step, its log-probs the learner's, learning, and the
@@ -48,6 +51,7 @@ def test_transformers_generation_under_torchrun_learns_and_saves_every_final_com
                                            for c in completions)
 
 
+@pytest.mark.slow
 def test_sync_baseline_num_mini_batches_staleness_under_torchrun(tiny_dir, tmp_path):
     """N=2: two mini-batches generated with one set of weights, then two optimizer steps on them; on two learner
     ranks, every one of which takes the engine's "ready" message (not only the rank that owns the generator: a

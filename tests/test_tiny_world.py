@@ -98,6 +98,7 @@ def test_gold_model_follows_one_word_probes(world):
     assert min(probes.values()) >= 0.9, probes
 
 
+@pytest.mark.slow
 def test_sized_policies_and_proxies_share_the_gold_model_and_leave_the_world_as_it_was(tiny_dir, sized_dir):
     """tiny_world.build_sized (quick: two sizes): each policy is a causal LM of its size, "base" the world's own
     policy weight for weight; each proxy a reward model of its size, trained on pairs of every size's samples,
@@ -161,6 +162,7 @@ def layout(folder: str) -> set:
     return {os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tldr", "gsm8k", "chains", "tools"])
 def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
     """`python tiny_world.py KIND FOLDER --quick`, the builder's command on a fraction of the work: the same files as
