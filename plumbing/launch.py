@@ -69,6 +69,8 @@ def run(main: Callable, args) -> None:
         if dist.is_initialized():  # once DDP/FSDP state is freed (else gloo may abort the exit)
             gc.collect()
             dist.destroy_process_group()
+    gc.freeze()  # the run is over: the interpreter's exit need not scan every object for garbage (a second of
+    # a CPU run's end: the models', torch's and transformers' objects; atexit still runs)
     if code:
         raise SystemExit(code)
 

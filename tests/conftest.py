@@ -33,10 +33,10 @@ def pytest_collection_modifyitems(items: list) -> None:
     """Longest test files first (the two test workers, pytest.ini, each take whole files; their times are in the
     durations each run lists at its end): the next file goes to the worker that finishes first, so both end close
     together. The quick files fill in at the end."""
-    first = ["test_benchmarks.py", "test_gsm8k.py", "test_engines.py", "test_resume.py", "test_fully_async.py",
-             "test_stream_benchmarks.py", "test_agentic.py", "test_lora.py", "test_ppo.py", "test_end_to_end.py",
-             "test_shutdown.py", "test_rloo.py", "test_sync_baseline.py", "test_tiny_world.py", "test_failures.py",
-             "test_chat.py", "test_reward_tokenizer.py", "test_archives.py"]
+    first = ["test_benchmarks.py", "test_engines.py", "test_gsm8k.py", "test_lora.py", "test_ppo.py",
+             "test_shutdown.py", "test_tiny_world.py", "test_end_to_end.py", "test_fully_async.py",
+             "test_stream_benchmarks.py", "test_failures.py", "test_rloo.py", "test_agentic.py",
+             "test_sync_baseline.py", "test_chat.py", "test_archives.py", "test_resume.py", "test_reward_tokenizer.py"]
     rank = {name: i for i, name in enumerate(first)}
     items.sort(key=lambda item: rank.get(item.path.name, len(first)))
 

@@ -248,3 +248,18 @@ def test_the_archived_streams_did_what_their_configurations_say(tmp_path_factory
         for runs in archived_steps(tmp_path_factory, "agentic", arm):
             assert max(r["staleness/within_episode_max"] for r in runs) >= 1, arm
             assert all(r["staleness/max"] <= k for r in runs), arm
+
+
+
+def test_the_archived_compute_optimal_runs_did_what_their_rows_say(tmp_path_factory):
+    """The compute-optimal sweep's runs, every seed: K = 4 (best against worst of four) has a pair at every step, its
+    median margin positive; K = 2 may tie (a step with no pair logs NaN), but its pairs' margins are positive too;
+    T = 2 takes two optimizer steps on each round's batch."""
+    import math
+
+    for runs in archived_steps(tmp_path_factory, "compute_optimal", "training-bound_async_K4", "reward/margin_median"):
+        assert all(r["reward/margin_median"] > 0 for r in runs)  # (NaN fails it)
+    for runs in archived_steps(tmp_path_factory, "compute_optimal", "training-bound_async_K2", "reward/margin_median"):
+        assert all(r["reward/margin_median"] > 0 for r in runs if not math.isnan(r["reward/margin_median"]))
+    for runs in archived_steps(tmp_path_factory, "compute_optimal", "generation-bound_T2", "round"):
+        assert [r["round"] for r in runs] == [i // 2 for i in range(len(runs))]

@@ -216,7 +216,7 @@ def test_drop_discards_what_arrives_too_stale_under_torchrun(chains_dir, tmp_pat
 
 @pytest.mark.slow
 def test_every_tokens_log_prob_is_its_own_versions(chains_dir, tmp_path):
-    """In-flight weight updates (k = 2, B = 4 groups a step: versions arrive while completions sample): each
+    """In-flight weight updates (k = 2, B = 2 groups a step: versions arrive while completions sample): each
     completion's tokens are labelled with the versions that sampled them. `recompute`: every token's log-prob from the
     sampler equals its own version's, the prompt and prefix re-read under it, within 1e-4 (fp32 on a CPU; the largest
     gap measured is ~2e-5, while neighbouring versions differ by ~1e-3 at this learning rate), and mislabelled by one
@@ -227,8 +227,8 @@ def test_every_tokens_log_prob_is_its_own_versions(chains_dir, tmp_path):
     tolerance, gaps = token_versions.TOLERANCE, {}
     for kv in ("recompute", "keep"):
         out, every = tmp_path / kv, 2 if kv == "keep" else 1
-        result = run_script(*stream_flags(chains_dir, out, "--total_episodes", "192", "--batch_size", "16",
-                                          "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
+        result = run_script(*stream_flags(chains_dir, out, "--total_episodes", "96", "--batch_size", "8",
+                                          "--per_device_train_batch_size", "8", "--learning_rate", "1e-3",
                                           "--inflight_updates", "--kv_on_update", kv, "--record_rollouts",
                                           "--record_every", str(every)),
                             script="fully_async_grpo.py")

@@ -74,11 +74,10 @@ def test_the_sampler_samples_with_the_learners_adapter_and_a_skipped_delivery_is
 
 
 @pytest.mark.parametrize("script, flags", [
-    ("async_ppo.py", ("--recompute_old_logprobs", "--is_correction", "truncate")),
-    ("async_rloo.py", ("--recompute_old_logprobs", "--is_correction", "truncate")),
-    ("gsm8k_async_dpo.py", ()),
+    pytest.param("async_ppo.py", ("--recompute_old_logprobs", "--is_correction", "truncate"), marks=pytest.mark.slow),
+    pytest.param("async_rloo.py", ("--recompute_old_logprobs", "--is_correction", "truncate"), marks=pytest.mark.slow),
+    ("gsm8k_async_dpo.py", ()),  # (the fast subset's GSM8k run end to end)
 ])
-@pytest.mark.slow
 def test_every_one_step_script_trains_an_adapter_exact_at_its_first_step(script, flags, tmp_path):
     """With LoRA, the first step reads completions of the SFT weights with a learner that is the SFT weights (B = 0):
     PPO's and RLOO's ratio and importance weight are 1, GSM8k's DPO loss is ln 2; then the adapter moves."""
