@@ -874,7 +874,7 @@ def build_gsm8k(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     seen in training (no question of `train`, but the operation and operands of a training problem: what GSM8k's
     test asks of a model that knows its arithmetic), and `test_unseen_facts`, 200 problems whose operation and
     operands no training problem has. Built unless one is there. `quick`: the same layout from a seventh of the
-    problems and 20 SFT steps (the tests' check of the builder). Returns the SFT policy's and the dataset's folders."""
+    problems and 5 SFT steps (the tests' check of the builder). Returns the SFT policy's and the dataset's folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
     if not os.path.exists(os.path.join(tiny_dir, "world.json")):
@@ -889,7 +889,7 @@ def build_gsm8k_here(tiny_dir: str, quick: str = "0") -> None:
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
     progress = Progress("the GSM8k miniature" + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (20, 7) if quick else (600, 1)
+    sft_steps, scale = (5, 7) if quick else (600, 1)
     with deterministic(0) as rng:
         unseen, unseen_facts = [], set()
         while len(unseen) < 200 // scale:
@@ -962,7 +962,7 @@ def build_chains(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     digit a token of its own) and a GPT-NeoX SFT policy (hidden 128, 4 layers) trained on the worked solutions. A
     completion's length grows with its chain's steps, so its lengths have a long tail: the task of the fully
     asynchronous pipeline, where a synchronous batch waits for its longest completion. `quick`: the same layout
-    from a tenth of the problems and 20 SFT steps (the tests' check of the builder). Returns the SFT policy's and
+    from a tenth of the problems and 5 SFT steps (the tests' check of the builder). Returns the SFT policy's and
     the dataset's folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
@@ -992,7 +992,7 @@ def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
     progress = Progress("the long-tailed chains" + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (20, 10) if quick else (CHAIN_SFT_STEPS, 1)
+    sft_steps, scale = (5, 10) if quick else (CHAIN_SFT_STEPS, 1)
     with deterministic(0) as rng:
         train, test = problem_splits(make_chain_problem, rng, scale)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100  # (no chain reaches 0: " 0" would get no token of its own)
@@ -1126,7 +1126,7 @@ def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     recipe with the call's two marks as tokens of their own, and a GPT-NeoX SFT policy (hidden 128, 4 layers)
     trained on the worked solutions solved with the tool (a call per step; the tool's answers masked from the loss:
     it calls, the tool computes). A long chain is a long episode: the tail is in turns as well as tokens. `quick`:
-    a tenth of the problems and 20 SFT steps (the builder's test). Returns the SFT policy's and the dataset's
+    a tenth of the problems and 5 SFT steps (the builder's test). Returns the SFT policy's and the dataset's
     folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
@@ -1142,7 +1142,7 @@ def build_tools_here(tiny_dir: str, quick: str = "0") -> None:
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
     progress = Progress("the chains with a calculator" + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (20, 10) if quick else (TOOLS_SFT_STEPS, 1)
+    sft_steps, scale = (5, 10) if quick else (TOOLS_SFT_STEPS, 1)
     with deterministic(0) as rng:
         train, test = problem_splits(make_tool_problem, rng, scale)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100

@@ -45,8 +45,9 @@ def test_stop_generator_exits_with_a_large_request_pending():
 
 @pytest.fixture(scope="module")
 def long_prompts(tiny_dir, tmp_path_factory) -> str:
-    """The tiny world's data with every post six times longer (~240 tokens a prompt): a 256-prompt evaluation
-    request is then ~160 KB pickled, well above a pipe's 64 KiB (at real scale: ~600 KB)."""
+    """The tiny world's data with every post six times longer (~240 tokens a prompt): a request of 128 prompts
+    (an evaluation's, or a training round's of 128) is then ~82 KB pickled, above a pipe's 64 KiB (256: 164 KB; at
+    real scale: ~600 KB)."""
     folder = tmp_path_factory.mktemp("long") / "data"
     folder.mkdir()
     for split in ("train", "validation"):
@@ -62,7 +63,7 @@ def long_prompts(tiny_dir, tmp_path_factory) -> str:
 def start_long_run(tiny_dir: str, dataset: str, out: str, *flags: str) -> subprocess.Popen:
     return start_as_a_foreground_job("async_dpo.py", "--model", "tiny", "--tiny_dir", tiny_dir, "--dataset", dataset,
                                      "--output_dir", out, "--max_prompt_length", "400", "--eval_every", "1",
-                                     "--num_eval_prompts", "256", "--num_final_eval_prompts", "256", *flags)
+                                     "--num_eval_prompts", "128", "--num_final_eval_prompts", "128", *flags)
 
 
 def steps_logged(out: str) -> int:
@@ -100,7 +101,7 @@ def assert_clean_exit(process: subprocess.Popen, stopped_at: Optional[float], co
     return stderr
 
 
-# 128 prompts a round: the training requests are ~80 KB too, so whichever request is queued fills the pipe
+# 128 prompts a round: the training requests are ~82 KB as the evaluations are, so whichever is queued fills the pipe
 ENDLESS = ("--total_episodes", "100000", "--batch_size", "128")
 
 
