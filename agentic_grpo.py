@@ -25,8 +25,6 @@ import os
 import queue
 import random
 import re
-import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -34,13 +32,12 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiny_world
-from plumbing import checkpoint, core, generator_io, launch, lora, metrics
+from plumbing import checkpoint, core, generator_io, launch, lora, metrics, transport
 
 # --model: (SFT policy, dataset, the prompt format the policy was trained on; {question}: the problem)
 PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k",
@@ -289,7 +286,7 @@ def resolve_args(args: Args) -> Args:
     ]:
         if bad:
             core.fail(message)
-    core.check_flags(args, positive=("temperature", "num_samples"))
+    core.check_flags(args, positive=("temperature", "num_samples"), unit="completions")
     args.groups_per_step = args.batch_size // args.num_samples
     args.max_in_flight = args.max_in_flight or (args.max_staleness + 1) * args.groups_per_step
     if args.max_in_flight < args.groups_per_step:
@@ -307,7 +304,7 @@ def resolve_args(args: Args) -> Args:
     args.gradient_accumulation_steps = mini_batch // args.per_device_train_batch_size
     args.is_correction = args.is_correction or ("tis" if args.proximal == "recompute" else "none")
     args.num_steps = args.total_episodes // args.batch_size
-    check_engines_fit(args)
+    transport.check_engines_fit(args)
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if args.gradient_checkpointing is None:  # the toy models need none
         args.gradient_checkpointing = args.model != "tiny"
@@ -328,27 +325,6 @@ def resolve_args(args: Args) -> Args:
         core.fail(f"--prompt_format {args.prompt_format!r} has no {{question}} for the problem")
     args.dataset_config = args.dataset_config or {"openai/gsm8k": "main"}.get(args.dataset)
     return args
-
-
-def check_engines_fit(args: Args) -> None:
-    """--num_generators and --generator_nodes against the job (torchrun's nodes), the stream's room and, on GPU,
-    the node's GPUs (G engines and the node's learners, one GPU each; only one engine may share GPU 0)."""
-    nodes, learners = int(os.getenv("GROUP_WORLD_SIZE", "1")), int(os.getenv("LOCAL_WORLD_SIZE", "1"))
-    args.num_engines = args.num_generators * args.generator_nodes
-    gpus = torch.cuda.device_count()
-    for bad, message in [
-        (args.num_generators < 1, f"--num_generators must be at least 1, got {args.num_generators}"),
-        (not 1 <= args.generator_nodes <= nodes, f"--generator_nodes {args.generator_nodes}: the job has {nodes} "
-         "node(s) (torchrun --nnodes), and node 0 hosts engines"),
-        (args.num_engines > args.max_in_flight, f"--num_generators {args.num_generators}: {args.num_engines} "
-         f"engines, but the stream holds at most --max_in_flight {args.max_in_flight} groups: an engine would never "
-         "sample (fewer engines, or a larger --max_in_flight or --batch_size)"),
-        (gpus and args.num_generators > 1 and args.num_generators + learners > gpus,
-         f"--num_generators {args.num_generators}: a generator node has {gpus} GPUs, too few for "
-         f"{args.num_generators} engines and {learners} learners (torchrun --nproc_per_node), one GPU each"),
-    ]:
-        if bad:
-            core.fail(message)
 
 
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
@@ -382,15 +358,15 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     # ASYNC: the admission record, one for all engines (compare-and-set on torchrun's store, or one rank 0 hosts):
     # the next group's index, the versions the running groups were admitted under, the finishing order, each
     # engine's loaded version
-    admission_record, record_address = open_record(args)
+    admission_record, record_address = transport.open_record(args)
     cleanup.callback(lambda held: None, admission_record)  # (rank 0's may host the store: kept until engines stop)
     engines = []  # this node's engines, held by its leader (the other ranks get their messages from it)
     if hosts_engines:
-        engines = start_engines(engine_kwargs(args, config, use_cuda), weight_layout, run.eos_id,
-                                None if use_cuda else generator_cores, node, args)
-        cleanup.callback(stop_engines, engines, watch_engines(engines, record_address))
+        engines = transport.start_engines(generator_main, engine_kwargs(args, config, use_cuda), weight_layout,
+                                          run.eos_id, None if use_cuda else generator_cores, node, args)
+        cleanup.callback(transport.stop_engines, engines, transport.watch_engines(engines, record_address))
     if shares_gpu0:
-        collect(engines, args)  # "ready": vLLM has taken its share of GPU 0 (one engine)
+        transport.collect(engines, args)  # "ready": vLLM has taken its share of GPU 0 (one engine)
 
     # The policy trains in float32 (under autocast on GPU), loaded on the CPU and moved to the learner
     # (--fsdp: sharded there block by block). No reference model: no KL penalty, as in DAPO and Dr. GRPO
@@ -399,6 +375,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     policy = core.on_learner(policy, args, device)  # (LoRA: the base frozen, the adapter trains)
     learner = core.shard_or_replicate(policy, args, device)  # (DDP or FSDP2: what the optimizer trains)
     trained = [p for p in learner.parameters() if p.requires_grad]  # (LoRA: the adapter's)
+    core.check_hand_off(policy, weight_layout)  # (what trains is what the generator receives, by name)
     optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # (constant, as GRPO runs go)
     # --behaviour_version first_turn (the experiment's arm): the learner keeps the last k + 1 versions' weights
@@ -414,24 +391,26 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     eval_set = evaluation_set(test_data, tokenizer, args)
     # ASYNC: k + 1 weight slots on each generator node (rank 0's, copied to the others' over torch.distributed):
     # the learner never overwrites a version an engine may still be loading
-    leaders = leaders_group(hosts_engines, args)  # (None: one generator node)
+    leaders = transport.leaders_group(hosts_engines, args)  # (None: one generator node)
     weight_slots = make_weight_slots(weight_layout, len_slots(args), dtype, device) if hosts_engines else None
     for engine in engines:
-        submit([engine], dict(kind="start", weight_slots=weight_slots, adapter_config=lora.adapter_config(policy),
-                              prompts=[train_prompts[i] for i in prompt_order],  # (LoRA: its settings)
-                              engine=engine.engine, record=record_address, tool=tool))
+        transport.submit([engine], dict(kind="start", weight_slots=weight_slots,
+                                        adapter_config=lora.adapter_config(policy),  # (LoRA: its settings)
+                                        prompts=[train_prompts[i] for i in prompt_order],
+                                        engine=engine.engine, record=record_address, tool=tool))
     for _ in range(0 if shares_gpu0 else args.num_engines):
-        collect(engines, args)  # "ready": the engines were built while we loaded our model
+        transport.collect(engines, args)  # "ready": the engines were built while we loaded our model
 
-    # The loop's state, fresh or (--resume_from) where a checkpoint left it: the groups the learner has taken (a
-    # resumed generator admits from there), the policy's version (optimizer steps taken; 0: the SFT weights,
+    # The loop's state, fresh or (--resume_from) where a checkpoint left it: the groups the learner has taken (their
+    # count, and which: every index below `below`, and those in `beyond`; a resumed generator admits the others), the
+    # policy's version (optimizer steps taken; 0: the SFT weights,
     # vLLM's start), the newest version published, the last evaluation (none is pending: each is awaited)
     saved = dict(learner=learner, optimizer=optimizer, scheduler=scheduler, weight_buffer=weight_slots,
                  metrics_file=metrics_file)  # what a checkpoint holds
-    loop = (0, 0, 0, 0, [])
+    loop = ((0, 0, []), 0, 0, 0, [])
     if args.resume_from:
         loop = checkpoint.resume(args, **saved)
-    next_group, version, published, last_eval, _ = loop
+    (next_group, below, beyond), version, published, last_eval, _ = loop
     if args.record_rollouts and not args.resume_from:  # (version 0: the SFT weights, in slot 0 like any other)
         if args.rank == 0:  # what it will write: a version is the policy's size
             _, offset, shape = weight_layout[-1]
@@ -444,10 +423,9 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         if args.rank == 0 and args.lora_rank:  # (LoRA: the versions are adapters on the SFT weights)
             with open(os.path.join(args.output_dir, "versions", "adapter_config.json"), "w") as f:
                 json.dump(lora.adapter_config(policy), f)
-    if leaders is not None:  # (the other generator nodes' slots: resumed, or version 0 recorded, as rank 0's)
-        torch.distributed.broadcast(weight_slots, src=0, group=leaders)
-    stream = dict(arrived={}, next_place=0, taken=next_group, accepted=0, discarded=0, learner_idle=0.0,
-                  published_at={}, engines={})  # (taken: groups the learner has taken, the next one's index)
+    transport.share_slots(weight_slots, leaders)  # (the other generator nodes': resumed, or version 0, as rank 0's)
+    ledger = dict(arrived={}, next_place=0, taken=next_group, below=below, beyond=set(beyond), accepted=0,
+                  discarded=0, learner_idle=0.0, engines={}, reports={})  # (taken: how many; below, beyond: which)
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
@@ -456,12 +434,12 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
     def evaluate_now(final: bool = False, whole: bool = False) -> None:  # ASYNC: awaited, groups arriving
         # meanwhile kept for the step; whole: every test prompt, as the final evaluation's (final: and saved)
-        submit(engines[:1] if args.rank == 0 else [], dict(  # (engine 0 evaluates; the others stream on)
+        transport.submit(engines[:1] if args.rank == 0 else [], dict(  # (engine 0 evaluates, the others stream)
             kind="eval", final=final, prompts=eval_set["prompts"] if final or whole else
             eval_set["prompts"][: eval_set["num_prompts"]], max_tokens=args.eval_response_length,
             temperature=args.eval_temperature, seed=core.sampling_seed(args.seed, "eval", version)))
-        while (message := collect(engines, args))["kind"] != "eval":
-            arrive(message, stream)
+        while (message := transport.collect(engines, args))["kind"] != "eval":
+            arrive(message, ledger)
         score_evaluation(message, training_start, eval_set, tokenizer, args, run, metrics_file)
 
     training_start = None
@@ -472,21 +450,23 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                    f"{args.num_engines} engine{'s' if args.num_engines > 1 else ''}, at most "
                    f"{args.max_staleness} versions stale ({args.stale_policy}), {args.proximal} proximal policy, "
                    f"{args.advantage} advantages")
-    training_start = stream["start"] = time.time()
+    training_start = ledger["start"] = time.time()
     open_admission(admission_record, next_group, args)
-    submit(engines, dict(kind="go", first_group=next_group, version=published, slot=published % len_slots(args),
-                         seed=args.seed, n=args.num_samples, temperature=args.temperature,
-                         max_tokens=args.response_length, max_staleness=args.max_staleness,
-                         groups_per_step=args.groups_per_step,
-                         stale_policy=args.stale_policy, max_in_flight=args.max_in_flight,
-                         inflight_updates=args.inflight_updates, kv_on_update=args.kv_on_update,
-                         episode_atomic=args.episode_atomic,
-                         engine_room=-(-args.max_in_flight // args.num_engines)))  # (each engine's share of the room)
+    go = dict(kind="go", first_group=next_group, **still_to_admit(ledger), version=published,
+              slot=published % len_slots(args),
+              seed=args.seed, n=args.num_samples, temperature=args.temperature,
+              max_tokens=args.response_length, max_staleness=args.max_staleness,
+              groups_per_step=args.groups_per_step,
+              stale_policy=args.stale_policy, max_in_flight=args.max_in_flight,
+              inflight_updates=args.inflight_updates, kv_on_update=args.kv_on_update,
+              episode_atomic=args.episode_atomic,
+              engine_room=-(-args.max_in_flight // args.num_engines))  # (each engine's share of the room)
+    transport.submit(engines, go)
     while version < args.num_steps:
         # 1. ASYNC: take B groups from the stream, each as it finished: (drop) a group more than k versions older
         # than the learner is discarded; (pace) none can be; (head) it is kept
         step_start = time.time()
-        batch, discarded = take_groups(engines, stream, version, args)
+        batch, discarded = take_groups(engines, ledger, version, args)
         took = time.time() - step_start
         if args.record_rollouts:  # (and the discarded groups, marked: every group taken is accounted for)
             for groups, fate in ((batch, "trained"), (discarded, "discarded")):
@@ -524,19 +504,18 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # generator nodes get the slot over torch.distributed. Each engine loads the new version once nothing is
         # mid-generation in it (in flight: at its next engine step)
         sync_start, slot = time.time(), version % len_slots(args)
-        adoption_wait = wait_for_adoption(admission_record, engines, version - len_slots(args), args)
+        adoption_wait = transport.wait_for_adoption(admission_record, engines, version - len_slots(args), args)
         write_weight_snapshot(policy, weight_slots[slot] if args.rank == 0 else None, weight_layout)
-        if leaders is not None:
-            torch.distributed.broadcast(weight_slots[slot], src=0, group=leaders)
-        submit(engines, dict(kind="weights", version=version, slot=slot, taken=stream["taken"],
-                             taken_from={e: engine["groups"] for e, engine in stream["engines"].items()}))
-        stream["published_at"][version] = time.time()
+        transport.share_slots(weight_slots, leaders, slot)  # (landed before any engine is told to load it)
+        transport.submit(engines, dict(kind="weights", version=version, slot=slot, taken=ledger["taken"],
+                                       taken_from={e: engine["groups"] for e, engine in ledger["engines"].items()}))
         if args.record_rollouts:
             record_version(weight_slots, weight_layout, version, args)
 
         # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
+        ledger["reports"] = transport.engine_reports(admission_record, args)  # (each engine's version, idle time)
         record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
-                      **stream_stats(batch, len(discarded), stream, engines, args))
+                      **stream_stats(batch, len(discarded), ledger, engines, args))
         record.update({"time/training": sync_start - train_start, "time/proximal": proximal_seconds,
                        "time/weight_sync": time.time() - sync_start, "time/adoption_wait": adoption_wait,
                        "time/learner_wait": took, "time/elapsed": time.time() - training_start})
@@ -550,41 +529,45 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
             evaluate_now()
 
         # 8. Checkpoint (--save_every, or SIGTERM) at the step's end. The groups in flight are not saved: a
-        # resumed run admits its groups again from where the steps left off, sampled by the checkpoint's weights
+        # resumed run admits every index not taken yet again (a long group still sampling, then those after the
+        # last taken), sampled by the checkpoint's weights: each index is trained once
         if version < args.num_steps and checkpoint.due(args, version, steps=1):
-            loop = (stream["taken"], version, version, last_eval, [])
+            loop = ((ledger["taken"], ledger["below"], sorted(ledger["beyond"])), version, version, last_eval, [])
             checkpoint.save(args, loop, None, **saved, batch_in_flight=False)
 
     if args.record_rollouts:  # (the audit accounts for every group admitted: those still in flight too)
-        leftovers = take_leftovers(admission_record, engines, stream, args)
+        leftovers = take_leftovers(admission_record, engines, ledger, args)
         record_groups(leftovers, prompts_of(leftovers), "in flight at the end", args)
     evaluate_now(final=True)  # the whole test split, with the last weights
     progress.close()
     if args.rank == 0:
-        generator_idle = sum(e["idle"] for e in stream["engines"].values()) / args.num_engines  # (each's share, mean)
-        tqdm.write(metrics.idle_regime(stream["learner_idle"], generator_idle, time.time() - training_start))
+        reports = transport.engine_reports(admission_record, args).values()  # (every engine's, from the record)
+        generator_idle = sum(idle for _, idle in reports) / args.num_engines  # (each's share, mean)
+        tqdm.write(metrics.idle_regime(ledger["learner_idle"], generator_idle, time.time() - training_start))
     if args.save_model:  # (LoRA: the adapter, in PEFT's format; --save_merged: merged too)
         core.save_policy(policy, tokenizer, args)
 
 
 # --- The stream: taking groups, publishing versions ---------------------------------------------------------------
-def take_groups(engines: list, stream: dict, version: int, args: Args) -> tuple[list, list]:
+def take_groups(engines: list, ledger: dict, version: int, args: Args) -> tuple[list, list]:
     """B groups for the step at `version`, in the order they finished (the record's order: a group from another
     engine or node may arrive before one that finished earlier, and waits for it). Under `drop` a group whose
     sampler is more than k versions behind is discarded (and returned, to be counted); under `pace` no engine
     samples one (a violation is an error: the bound is the invariant); `head` bounds admission only, and keeps
-    every group. Also counts the learner's wait and each engine's groups, idle time (its clock, as its last
-    message reported it) and version."""
+    every group. Also counts the learner's wait, each engine's groups and how long after its publication each
+    version reached the engine (measured on the engine's node)."""
     batch, discarded, wait_start = [], [], time.time()
     while len(batch) < args.groups_per_step:
-        group = next_finished(engines, stream, args)
-        stream["taken"] += 1
-        engine = stream["engines"].setdefault(group["engine"], dict(groups=0, idle=0.0, loaded=0, lags=[]))
-        engine.update(groups=engine["groups"] + 1, idle=group["idle_seconds"], loaded=group["loaded"],
-                      tool_pending=group["tool_pending"], tool_overlap=group["tool_overlap"],
-                      turns_per_step=group["turns_per_step"])
-        engine["lags"] += [end - stream["published_at"][v] for v, _, end in group["loads"]
-                           if v in stream["published_at"]]
+        group = next_finished(engines, ledger, args)
+        ledger["taken"] += 1
+        ledger["beyond"].add(group["index"])  # (which: every index below `below`, and those in `beyond`)
+        while ledger["below"] in ledger["beyond"]:
+            ledger["beyond"].remove(ledger["below"])
+            ledger["below"] += 1
+        engine = ledger["engines"].setdefault(group["engine"], dict(groups=0, lags=[]))
+        engine.update(groups=engine["groups"] + 1, tool_pending=group["tool_pending"],
+                      tool_overlap=group["tool_overlap"], turns_per_step=group["turns_per_step"])
+        engine["lags"] += [since_published for _, _, since_published in group["loads"]]
         staleness = version - group["version"]
         if staleness > args.max_staleness and args.stale_policy != "head":
             if args.stale_policy == "pace":
@@ -598,25 +581,34 @@ def take_groups(engines: list, stream: dict, version: int, args: Args) -> tuple[
         group["within_episode"] = [max(e) - min(e) for e in episodes]  # (the policy's drift between its turns)
         group["episode_versions"] = [len(set(e)) for e in episodes]
         batch.append(group)
-    stream["learner_idle"] += time.time() - wait_start
-    stream["accepted"] += len(batch)
-    stream["discarded"] += len(discarded)
+    ledger["learner_idle"] += time.time() - wait_start
+    ledger["accepted"] += len(batch)
+    ledger["discarded"] += len(discarded)
     return batch, discarded
 
 
-def next_finished(engines: list, stream: dict, args: Args) -> dict:
+def next_finished(engines: list, ledger: dict, args: Args) -> dict:
     """The next group in the record's finishing order (one from another engine or node may arrive first: kept)."""
-    while stream["next_place"] not in stream["arrived"]:
-        arrive(collect(engines, args), stream)
-    stream["next_place"] += 1
-    return stream["arrived"].pop(stream["next_place"] - 1)
+    while ledger["next_place"] not in ledger["arrived"]:
+        arrive(transport.collect(engines, args), ledger)
+    ledger["next_place"] += 1
+    return ledger["arrived"].pop(ledger["next_place"] - 1)
 
 
-def arrive(message: dict, stream: dict) -> None:
+def arrive(message: dict, ledger: dict) -> None:
     """A group from the stream, kept by its place in the finishing order (the record's: the order the bound counts)."""
     if message["kind"] != "group":
         raise RuntimeError(f"expected a group from the generator, got {message['kind']}")
-    stream["arrived"][message["place"]] = message
+    message["arrived_at"] = time.time()  # (its wait here, on this rank's clock; `queued`: on its node's)
+    ledger["arrived"][message["place"]] = message
+
+
+def still_to_admit(ledger: dict) -> dict:
+    """What the generator admits first (a resumed run's): the indices below the last one taken that were not taken
+    (a long group still sampling at the checkpoint), then every index after it."""
+    last = max(ledger["beyond"], default=ledger["below"] - 1)
+    missing = [i for i in range(ledger["below"], last + 1) if i not in ledger["beyond"]]
+    return dict(missing=missing, next_index=last + 1)
 
 
 def len_slots(args: Args) -> int:
@@ -624,7 +616,7 @@ def len_slots(args: Args) -> int:
     return args.max_staleness + 1
 
 
-def stream_stats(batch: list, discarded: int, stream: dict, engines: list, args: Args) -> dict:
+def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, args: Args) -> dict:
     """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
     (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
     (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
@@ -636,15 +628,15 @@ def stream_stats(batch: list, discarded: int, stream: dict, engines: list, args:
     token_staleness = [s for g in batch for s in g["token_staleness"]]
     lengths = sorted(len(r) for g in batch for r in g["responses"])
     durations = sorted(g["finished"] - g["admitted"] for g in batch)
-    loads = [load for g in batch for load in g["loads"]]  # (version, load start, load end) since the last group
+    loads = [load for g in batch for load in g["loads"]]  # (version, load seconds, since published): a node's own
     reprefills = [seconds for g in batch for seconds in g["reprefills"]]
-    lags = [end - stream["published_at"][v] for v, _, end in loads if v in stream["published_at"]]
-    elapsed = max(time.time() - stream["start"], 1e-9)
-    waiting = len(stream["arrived"]) + (engines[0].results.qsize() if engines else 0)  # (this node's)
-    per_engine = {}
-    for e, engine in sorted(stream["engines"].items()):
-        per_engine.update({f"engine{e}/version": engine["loaded"], f"engine{e}/groups": engine["groups"],
-                           f"engine{e}/idle_fraction": engine["idle"] / elapsed})
+    elapsed = max(time.time() - ledger["start"], 1e-9)
+    waiting = len(ledger["arrived"]) + (engines[0].results.qsize() if engines else 0)  # (this node's)
+    per_engine = {}  # (every engine's version and idle seconds as it last wrote them in the record: rank 0's)
+    for e, (loaded, idle) in sorted(ledger["reports"].items()):
+        per_engine.update({f"engine{e}/version": loaded, f"engine{e}/idle_fraction": idle / elapsed})
+    for e, engine in sorted(ledger["engines"].items()):
+        per_engine[f"engine{e}/groups"] = engine["groups"]
         if engine["lags"]:  # (its loads reported since the last step)
             per_engine[f"engine{e}/publish_to_load_seconds"] = sum(engine["lags"]) / len(engine["lags"])
         engine["lags"] = []
@@ -655,25 +647,26 @@ def stream_stats(batch: list, discarded: int, stream: dict, engines: list, args:
     return {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
             "staleness/histogram": {str(s): staleness.count(s) for s in sorted(set(staleness))},
             "rollouts/accepted": len(batch), "rollouts/discarded": discarded,
-            "rollouts/accepted_total": stream["accepted"], "rollouts/discarded_total": stream["discarded"],
-            "queue/depth": waiting, "queue/oldest_age": max(g["taken_at"] - g["finished"] for g in batch),
+            "rollouts/accepted_total": ledger["accepted"], "rollouts/discarded_total": ledger["discarded"],
+            "queue/depth": waiting,
+            "queue/oldest_age": max(g["queued"] + g["taken_at"] - g["arrived_at"] for g in batch),
             "length/p50": quantile(lengths, 0.5), "length/p90": quantile(lengths, 0.9),
             "length/p99": quantile(lengths, 0.99), "length/max": lengths[-1],
             "length/truncated_fraction": sum(not g["ended"][i] for g in batch for i in range(len(g["ended"])))
             / len(lengths),
             "rollout/seconds_p50": quantile(durations, 0.5), "rollout/seconds_p90": quantile(durations, 0.9),
             "rollout/seconds_max": durations[-1], "generator/version": batch[-1]["loaded"],
-            **({"weights/load_seconds": sum(end - start for _, start, end in loads) / len(loads)} if loads else {}),
-            **({"weights/publish_to_load_seconds": sum(lags) / len(lags)} if lags else {}),
+            **({"weights/load_seconds": sum(seconds for _, seconds, _ in loads) / len(loads),
+                "weights/publish_to_load_seconds": sum(lag for _, _, lag in loads) / len(loads)} if loads else {}),
             **({"weights/reprefill_seconds": sum(reprefills) / len(reprefills)} if reprefills else {}),
             "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
-            **episode_stats(batch, stream),
-            "idle/learner_fraction": stream["learner_idle"] / elapsed,
-            "idle/generator_fraction": sum(e["idle"] for e in stream["engines"].values()) / elapsed / args.num_engines,
+            **episode_stats(batch, ledger),
+            "idle/learner_fraction": ledger["learner_idle"] / elapsed,
+            "idle/generator_fraction": sum(i for _, i in ledger["reports"].values()) / elapsed / args.num_engines,
             **per_engine}
 
 
-def episode_stats(batch: list, stream: dict) -> dict:
+def episode_stats(batch: list, ledger: dict) -> dict:
     """What a user must see of the episodes: their turns (p50, p90, p99), the versions that sampled each one and
     its within-episode staleness (newest minus oldest token version; the learner's minus the oldest is
     staleness/max, as for a group), its histogram, the tool's calls, seconds and errors (malformed calls, wrong on
@@ -683,7 +676,7 @@ def episode_stats(batch: list, stream: dict) -> dict:
     within = [s for g in batch for s in g["within_episode"]]
     versions = [n for g in batch for n in g["episode_versions"]]
     calls = sum(sum(g["calls"]) for g in batch)
-    pending = sum(e["tool_pending"] for e in stream["engines"].values())  # (each engine's since training began)
+    pending = sum(e["tool_pending"] for e in ledger["engines"].values())  # (each engine's since training began)
 
     def quantile(q: float) -> float:
         return float(turns[min(int(q * len(turns)), len(turns) - 1)])
@@ -697,10 +690,10 @@ def episode_stats(batch: list, stream: dict) -> dict:
             "tools/calls": calls, "tools/seconds_mean": sum(t for g in batch for t in g["tool_seconds"])
             / max(calls, 1), "tools/malformed": sum(sum(g["malformed"]) for g in batch),
             "tools/wrong": sum(sum(g["wrong"]) for g in batch),
-            "tools/overlap_fraction": sum(e["tool_overlap"] for e in stream["engines"].values()) / pending
+            "tools/overlap_fraction": sum(e["tool_overlap"] for e in ledger["engines"].values()) / pending
             if pending else 0.0,
-            "generator/turns_per_step": sum(e["turns_per_step"] for e in stream["engines"].values())
-            / len(stream["engines"])}
+            "generator/turns_per_step": sum(e["turns_per_step"] for e in ledger["engines"].values())
+            / len(ledger["engines"])}
 
 
 # --- Auditing a run (--record_rollouts): what the learner trained on, and every version that sampled it --------
@@ -718,19 +711,15 @@ def record_groups(batch: list, prompts: list, fate: str, args: Args) -> None:
                                         fate=fate, temperature=args.temperature)) + "\n")
 
 
-def take_leftovers(admission_record, engines: list, stream: dict, args: Args) -> list:
+def take_leftovers(admission_record, engines: list, ledger: dict, args: Args) -> list:
     """After the last step: close admission (the record's room, none), wait until no group runs, and take every
     group still in the stream, in finishing order (their number rank 0 reads from the record)."""
     count = [0]
     if args.rank == 0:
-        admission_record.set("closed", "1")
-        while (state := json.loads(admission_record.get("admission")))["running"]:
-            check_engines(admission_record, engines)
-            time.sleep(0.05)
-        count = [state["finished"] - stream["next_place"]]
+        count = [transport.close_admission(admission_record, engines)["finished"] - ledger["next_place"]]
     if args.world_size > 1:
         torch.distributed.broadcast_object_list(count, src=0)
-    return [next_finished(engines, stream, args) for _ in range(count[0])]
+    return [next_finished(engines, ledger, args) for _ in range(count[0])]
 
 
 def record_version(weight_slots: Optional[torch.Tensor], table: list, version: int, args: Args) -> None:
@@ -1034,9 +1023,9 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
     collective); only rank 0 has the slots."""
     from torch.distributed.tensor import DTensor
 
-    trained = [param for param in model.parameters() if param.requires_grad]  # (LoRA: the adapter)
-    for (name, offset, shape), param in zip(table, trained):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+    params = dict(model.named_parameters())  # (by name: core.check_hand_off matched the table at start)
+    for name, offset, shape in table:
+        full = params[name].full_tensor() if isinstance(params[name], DTensor) else params[name]
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
     if buffer is not None and buffer.is_cuda:
@@ -1062,7 +1051,7 @@ class Stream:
     adapter: object = None  # LoRA: the loaded version's adapter, a LoRARequest (None: the base, version 0's exactly)
     go: Optional[dict] = None  # the learner's "go": the stream's settings (None: before training)
     loaded: int = 0  # the version in the engine (0: the SFT weights)
-    newest: Optional[tuple] = None  # (version, slot) of the newest version published
+    newest: Optional[tuple] = None  # (version, slot, when it was published) of the newest version published
     taken: int = 0  # groups the learner has taken (it says so with each version)
     claimed: int = 0  # groups this engine has admitted
     taken_from_me: int = 0  # of them, the learner has taken (it says so with each version)
@@ -1075,11 +1064,12 @@ class Stream:
     steps: int = 0  # engine steps, and the turns they advanced in all (the engine's occupancy: turns a step)
     turn_steps: int = 0
     eval_request: Optional[dict] = None  # an evaluation waiting for the engine to drain
-    loads: list = field(default_factory=list)  # (version, start, end) since the last group sent
+    loads: list = field(default_factory=list)  # (version, load seconds, since published) since the last group
     reprefills: list = field(default_factory=list)  # seconds of the engine step after each load that preempted
     reprefill_due: bool = False  # the next engine step re-reads preempted sequences
     idle: float = 0.0  # seconds with training under way and nothing to sample
     idle_since: Optional[float] = None
+    reported: float = 0.0  # when the idle seconds were last written in the record (report_idle)
 
 
 def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, requests, results,
@@ -1096,14 +1086,16 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
 
         vllm_imported = generator_io.imports_done()  # (left out of the GC's scans: vLLM's build runs several)
         llm = LLM(**engine_kwargs)
-        results.put(dict(kind="ready", startup=generator_io.startup_seconds(vllm_imported)))
+        results.put(dict(kind="ready", startup=generator_io.startup_seconds(vllm_imported),
+                         gpu=torch.cuda.current_device() if torch.cuda.is_available() else None))  # (its device)
         start = requests.get()  # the weight slots, the prompts in the order groups take them, the record
         stream = Stream(start["weight_slots"], start["prompts"], start["adapter_config"], start["engine"],
-                        connect_record(*start["record"]), start["tool"], llm.get_tokenizer())
+                        transport.connect_record(*start["record"]), start["tool"], llm.get_tokenizer())
         stream.tool_rng = random.Random(f"{start['tool']['seed']}/tool/{stream.engine}")  # (a str seed)
-        stream.record.set(f"loaded/{stream.engine}", "0")  # (the SFT weights)
+        stream.record.multi_set([f"loaded/{stream.engine}", f"idle/{stream.engine}"], ["0", "0"])  # (SFT weights)
         llm.llm_engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
         while take_messages(requests, stream):  # (False: the learner said stop)
+            report_idle(stream)
             load_newest(llm, stream, weight_layout)
             if stream.eval_request is not None and not stream.running:
                 results.put(evaluate_drained(llm, stream, stop_id))
@@ -1138,6 +1130,7 @@ def take_messages(requests, stream: Stream) -> bool:
             message = requests.get(timeout=0.01) if block else requests.get_nowait()
         except queue.Empty:
             if block and not admissible(stream):  # (another engine's group ending may free the bound: polled)
+                report_idle(stream)
                 continue
             return True
         block = False
@@ -1147,9 +1140,9 @@ def take_messages(requests, stream: Stream) -> bool:
             stream.go, stream.taken = message, message["first_group"]
             mark_idle(stream, True)
             if message["version"] > stream.loaded:  # (resumed: the checkpoint's weights, in their slot)
-                stream.newest = (message["version"], message["slot"])
-        elif message["kind"] == "weights":
-            stream.newest, stream.taken = (message["version"], message["slot"]), message["taken"]
+                stream.newest = (message["version"], message["slot"], message["sent"])
+        elif message["kind"] == "weights":  # (sent: when this node's leader passed it on, this node's clock)
+            stream.newest, stream.taken = (message["version"], message["slot"], message["sent"]), message["taken"]
             stream.taken_from_me = message["taken_from"].get(stream.engine, 0)
         elif message["kind"] == "eval":
             stream.eval_request = message
@@ -1174,7 +1167,7 @@ def load_newest(llm, stream: Stream, weight_layout: list) -> None:
     be sampled by different versions, each token labelled with its own."""
     if not load_due(stream) or not may_load(stream):
         return
-    start, (version, slot) = time.time(), stream.newest
+    start, (version, slot, published) = time.time(), stream.newest
     weights = weights_from_buffer(stream.slots[slot], weight_layout)
     if stream.adapter_config is None:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -1191,7 +1184,7 @@ def load_newest(llm, stream: Stream, weight_layout: list) -> None:
     if stream.go["kv_on_update"] == "recompute":
         generator_io.reset_prefix_cache(llm.llm_engine, preempt_running=bool(stream.turns))
         stream.reprefill_due = bool(stream.turns)
-    stream.loads.append((version, start, time.time()))
+    stream.loads.append((version, time.time() - start, time.time() - published))  # (seconds: no node's clock)
 
 
 def evaluate_drained(llm, stream: Stream, stop_id: int) -> dict:
@@ -1205,10 +1198,10 @@ def evaluate_drained(llm, stream: Stream, stop_id: int) -> dict:
 
 def admissible(stream: Stream) -> bool:
     """Whether the bound admits the next group now, as the shared record stands."""
-    return stream.go is not None and bound_allows(stream, *read_record(stream.record)[1:])
+    return stream.go is not None and bound_allows(stream, transport.read_record(stream.record)[1])
 
 
-def bound_allows(stream: Stream, state: dict, closed: bool) -> bool:
+def bound_allows(stream: Stream, state: dict) -> bool:
     """can_admit, for this engine, with the next group's index and the oldest version any engine's running group
     was admitted under (this engine's loaded one if older), from the record, and the groups in the stream by the
     learner's count with the newest version this engine knows of (as with one engine: the room frees with the
@@ -1217,7 +1210,7 @@ def bound_allows(stream: Stream, state: dict, closed: bool) -> bool:
     takes gets room back; the first to look cannot take it all). Nothing once admission is closed."""
     oldest = min([stream.loaded, *map(int, state["running"])])
     mine = stream.claimed - stream.taken_from_me  # (this engine's groups in the stream)
-    return not closed and mine < stream.go["engine_room"] and can_admit(
+    return not state["closed"] and mine < stream.go["engine_room"] and can_admit(
         stream.go, state["next"], state["next"] - stream.taken, stream.loaded, oldest, load_due(stream))
 
 
@@ -1227,47 +1220,38 @@ def claim_group(stream: Stream) -> Optional[int]:
     retry); None if the bound does not allow. The check, the index and the running count are one atomic step, so
     no engine admits against a record another has changed (docs/fully_async.md: why this keeps `pace`'s bound)."""
     while True:
-        raw, state, closed = read_record(stream.record)
-        if not bound_allows(stream, state, closed):
+        raw, state = transport.read_record(stream.record)
+        if not bound_allows(stream, state):
             return None
         group, version = state["next"], str(stream.loaded)
         state.update(next=group + 1, by=f"{stream.engine}+{group}")  # (by: each write's content is unique)
         state["running"][version] = state["running"].get(version, 0) + 1
-        if write_record(stream.record, raw, state):
+        if transport.write_record(stream.record, raw, state):
             stream.claimed += 1
-            return group
+            return group_index(stream.go, group)
+
+
+def group_index(go: dict, position: int) -> int:
+    """The index (its prompt, its seed) of the group admitted at this position of the record's count. A fresh run:
+    the position. A resumed one first admits the indices its checkpoint's run had admitted and not taken (`missing`),
+    then those after the last it took."""
+    after = position - go["first_group"]
+    missing = go["missing"]
+    return missing[after] if after < len(missing) else go["next_index"] + after - len(missing)
 
 
 def release_group(stream: Stream, group: int, version: int) -> int:
     """ASYNC: a finished group leaves the record's running count and gets its place in the finishing order (the
     same compare-and-set), which the learner takes groups in, whichever engine or node they come from."""
     while True:
-        raw, state, _ = read_record(stream.record)
+        raw, state = transport.read_record(stream.record)
         state["running"][str(version)] -= 1
         if not state["running"][str(version)]:
             del state["running"][str(version)]
         place = state["finished"]
         state.update(finished=place + 1, by=f"{stream.engine}-{group}")
-        if write_record(stream.record, raw, state):
+        if transport.write_record(stream.record, raw, state):
             return place
-
-
-def read_record(record) -> tuple[bytes, dict, bool]:
-    raw, closed = record.multi_get(["admission", "closed"])
-    return raw, json.loads(raw), closed == b"1"
-
-
-def write_record(record, raw: bytes, state: dict) -> bool:
-    desired = json.dumps(state).encode()
-    return record.compare_set("admission", raw, desired) == desired
-
-
-def connect_record(host: str, port: int, prefix: str):
-    """The admission record: a key-value store of torch.distributed's (TCPStore), under the run's prefix."""
-    import datetime
-
-    store = torch.distributed.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    return torch.distributed.PrefixStore(prefix, store)
 
 
 def admit_groups(stream: Stream) -> None:
@@ -1341,7 +1325,7 @@ def step_and_send(engine, stream: Stream, results) -> None:
             turns=[e["turns"] for e in episodes], tool_seconds=[e["tool_seconds"] for e in episodes],
             calls=[e["calls"] for e in episodes], malformed=[e["malformed"] for e in episodes],
             wrong=[e["wrong"] for e in episodes],
-            loaded=stream.loaded, loads=stream.loads, reprefills=stream.reprefills, idle_seconds=stream.idle,
+            loaded=stream.loaded, loads=stream.loads, reprefills=stream.reprefills,
             tool_pending=stream.tool_pending, tool_overlap=stream.tool_overlap,
             turns_per_step=stream.turn_steps / max(stream.steps, 1)))
         stream.loads, stream.reprefills = [], []
@@ -1409,6 +1393,16 @@ def mark_idle(stream: Stream, idle: bool) -> None:
         stream.idle_since = time.time()
     elif not idle and stream.idle_since is not None:
         stream.idle, stream.idle_since = stream.idle + time.time() - stream.idle_since, None
+    report_idle(stream)
+
+
+def report_idle(stream: Stream) -> None:
+    """This engine's idle seconds so far, the running stretch too, written in the record every 0.2 s at most, where
+    the learner reads every engine's (an idle engine sends no group to report it by)."""
+    if stream.go is not None and time.time() - stream.reported >= 0.2:
+        stream.reported = time.time()
+        idle = stream.idle + (stream.reported - stream.idle_since if stream.idle_since is not None else 0.0)
+        stream.record.set(f"idle/{stream.engine}", str(idle))
 
 
 def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: int, load_due: bool) -> bool:
@@ -1492,139 +1486,13 @@ def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
     return kwargs
 
 
-def start_engines(engine_kwargs: dict, weight_layout: list, stop_id: int, cores: Optional[list], node: int,
-                  args: Args) -> list:
-    """Spawn this node's G engines (GPU: engine i on GPU i; CPU: --generator_cores of `cores` each), numbered
-    node x G + i: requests one at a time, each its own; their results one stream, the node's."""
-    run_tmp_dir = tempfile.mkdtemp(prefix="async-rlhf-")
-    os.makedirs(args.output_dir, exist_ok=True)  # (another node's: the logs go there)
-    logs = [None if args.verbose else os.path.join(args.output_dir, "generator.log" if e == 0 else f"generator{e}.log")
-            for e in range(node * args.num_generators, (node + 1) * args.num_generators)]
-    generator_io.quiet_resource_tracker(logs[0])  # (before the first queue: its semaphores start the tracker)
-    ctx = mp.get_context("spawn")
-    results, engines = ctx.Queue(), []  # (the admission bound keeps it within --max_in_flight)
-    for i, log_path in enumerate(logs):
-        engine = node * args.num_generators + i
-        kwargs = dict(engine_kwargs, **({"device_ids": [i]} if torch.cuda.is_available() and i else {}))
-        mine = cores[i * args.generator_cores: (i + 1) * args.generator_cores] or [cores[i % len(cores)]] \
-            if cores else None
-        requests = ctx.Queue()
-        process = ctx.Process(target=generator_main, args=(
-            kwargs, weight_layout, stop_id, requests, results, mine, run_tmp_dir, log_path))
-        process.start()
-        engines.append(generator_io.Generator(process, requests, results, run_tmp_dir, log_path, engine=engine))
-    return engines
-
-
-def watch_engines(engines: list, address: tuple) -> threading.Event:
-    """A node's leader: a thread per engine that writes its death in the record, where rank 0 sees it while it
-    waits on the record (for a load, or for the last groups) rather than on this node's messages. Set the event
-    returned before stopping the engines."""
-    stopping = threading.Event()
-
-    def watch(engine: generator_io.Generator) -> None:
-        engine.process.join()
-        if not stopping.is_set():
-            with contextlib.suppress(Exception):
-                connect_record(*address).set("error", f"the generator process of engine {engine.engine} exited "
-                                                      f"unexpectedly (exit code {engine.process.exitcode})")
-
-    for engine in engines:
-        threading.Thread(target=watch, args=(engine,), daemon=True).start()
-    return stopping
-
-
-def stop_engines(engines: list, stopping: threading.Event) -> None:
-    stopping.set()
-    for engine in engines:
-        engine.stop()
-
-
-def check_engines(admission_record, engines: list) -> None:
-    """Rank 0, waiting on the record: an engine's error (any node's, written there) or the death of one of its own
-    ends the wait."""
-    if admission_record.check(["error"]):
-        raise generator_io.GeneratorError(admission_record.get("error").decode())
-    if (death := generator_io.exited(engines)) is not None:
-        raise death
-
-
-def submit(engines: list, request: dict) -> None:
-    """ASYNC: send each of this node's engines a message (a node's leader holds them; the other ranks have none);
-    a dead engine found here is told at the next collect."""
-    for engine in engines:
-        generator_io.send(engine, request)
-
-
-def collect(engines: list, args: Args) -> dict:
-    """ASYNC: the next message from the stream, the same on every rank. One generator node: rank 0 takes it from its
-    engines and broadcasts it. Several: the ranks poll together, each node's leader saying whether it holds one,
-    and the first that does broadcasts it (an engine's error, or death, likewise)."""
-    if args.generator_nodes == 1:
-        message = generator_io.receive_any(engines) if args.rank == 0 else None
-        if args.world_size > 1:
-            box = [message]
-            torch.distributed.broadcast_object_list(box, src=0)
-            message = box[0]
-        return generator_io.raise_error(message, args.rank)
-    while True:
-        if engines and engines[0].held is None:  # (a node's leader: hold its next message until it is shared)
-            engines[0].held = generator_io.poll(engines)
-        holds = [None] * args.world_size
-        torch.distributed.all_gather_object(holds, bool(engines and engines[0].held is not None))
-        if any(holds):
-            source = holds.index(True)
-            box = [engines[0].held if args.rank == source else None]
-            torch.distributed.broadcast_object_list(box, src=source)
-            if args.rank == source:
-                engines[0].held = None
-            return generator_io.raise_error(box[0], args.rank, source)
-        time.sleep(0.005)
-
-
-def open_record(args: Args) -> tuple:
-    """ASYNC: the admission record, a key-value store of torch.distributed's that every engine and rank 0 reach: under
-    torchrun the job's own (MASTER_ADDR: every node reaches it), else one rank 0 hosts; the run's name its prefix.
-    Returns rank 0's connection (None on the other ranks) and the address the engines connect to."""
-    import datetime
-
-    prefix = f"async-rlhf/{args.run_name}/"
-    if "MASTER_ADDR" in os.environ:
-        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix)
-        return (connect_record(*address) if args.rank == 0 else None), address
-    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=60))  # (one process: it hosts the store)
-    return torch.distributed.PrefixStore(prefix, server), ("127.0.0.1", server.port, prefix)
-
-
 def open_admission(record, first_group: int, args: Args) -> None:
     """Rank 0 sets the record before "go": no group running, the next one `first_group` (resumed: the groups
     taken), none finished, admission open (an engine reading it first waits for it: the store's reads wait for a
-    key)."""
+    key). take_leftovers closes it after the last step, in the record: a claim that read it open then fails its
+    compare-and-set."""
     if args.rank == 0:
-        record.set("admission", json.dumps(dict(next=first_group, running={}, finished=0, by="")))
-        record.set("closed", "0")  # (take_leftovers closes admission after the last step)
-
-
-def leaders_group(hosts_engines: bool, args: Args):
-    """The process group of the generator nodes' leaders (rank 0 first), which each new version reaches their nodes'
-    slots through (a broadcast: NCCL on GPU, gloo on CPU); None with one generator node. Every rank calls it."""
-    if args.generator_nodes == 1:
-        return None
-    hosts = [None] * args.world_size
-    torch.distributed.all_gather_object(hosts, hosts_engines)
-    return torch.distributed.new_group([rank for rank, yes in enumerate(hosts) if yes])
-
-
-def wait_for_adoption(record, engines: list, held: int, args: Args) -> float:
-    """ASYNC: rank 0 waits until every engine has loaded version `held` or a newer one, before its slot is
-    rewritten (an engine reads only the newest version published, and never loads back): the seconds waited. A
-    dead engine would never load it: its error, or its death, stops the wait."""
-    start, keys = time.time(), [f"loaded/{engine}" for engine in range(args.num_engines)]
-    while args.rank == 0 and held >= 0 and min(map(int, record.multi_get(keys))) < held:
-        check_engines(record, engines)
-        time.sleep(0.002)
-    return time.time() - start
+        record.set("admission", json.dumps(dict(next=first_group, running={}, finished=0, closed=False, by="")))
 
 
 # --- Evaluation: greedy pass@1 on the test problems ----------------------------------------------------------------

@@ -294,6 +294,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         args, tokenizer, (train_data, eval_data), dtype).items()}
     learner = core.shard_or_replicate(policy, args, device)  # (DDP or FSDP2: what the optimizer trains)
     trained = [p for p in learner.parameters() if p.requires_grad]  # (LoRA: the adapter's)
+    core.check_hand_off(policy, weight_layout)  # (what trains is what the generator receives, by name)
     optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.num_steps)
     weight_buffer = None
@@ -655,9 +656,9 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
     Every rank calls it (gathering an FSDP2 shard is a collective); only rank 0 has a buffer."""
     from torch.distributed.tensor import DTensor
 
-    trained = [param for param in model.parameters() if param.requires_grad]  # (LoRA: the adapter)
-    for (name, offset, shape), param in zip(table, trained):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+    params = dict(model.named_parameters())  # (by name: core.check_hand_off matched the table at start)
+    for name, offset, shape in table:
+        full = params[name].full_tensor() if isinstance(params[name], DTensor) else params[name]
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
     if buffer is not None and buffer.is_cuda:

@@ -106,6 +106,9 @@ class Args:
     # Algorithm specific arguments (paper defaults for TL;DR)
     learning_rate: float = 3e-6
     """learning rate of AdamW, decayed linearly to 0"""
+    value_learning_rate: Optional[float] = None
+    """the value model's learning rate (default, filled in by resolve_args: --learning_rate; with --lora_rank, full
+    fine-tuning's default: the adapter's rate, ~10x that, would overshoot the fully trained value model)"""
     kl_coef: float = 0.05
     """per-token KL penalty towards the SFT reference, added to the reward (the non-score reward)"""
     gamma: float = 1.0
@@ -230,6 +233,8 @@ def resolve_args(args: Args) -> Args:
     ]:
         if bad:
             core.fail(message)
+    full_rate = TINY_DEFAULTS["learning_rate"] if args.model == "tiny" else Args.learning_rate  # (full fine-tuning's)
+    args.value_learning_rate = args.value_learning_rate or (full_rate if args.lora_rank else args.learning_rate)
     args.local_batch_size = args.batch_size // args.world_size
     args.gradient_accumulation_steps = args.local_batch_size // args.per_device_train_batch_size
     args.num_rounds = args.total_episodes // (args.batch_size * args.num_mini_batches)
@@ -316,7 +321,11 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     learner = PolicyAndValue(policy, value_model)  # one module: one DDP or FSDP2 wrapper for both
     learner = core.shard_or_replicate(learner, args, device)  # (DDP or FSDP2: what the optimizer trains)
     trained = [p for p in learner.parameters() if p.requires_grad]  # (LoRA: the adapter's)
-    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, fused=use_cuda)
+    core.check_hand_off(policy, weight_layout)  # (what trains is what the generator receives, by name)
+    value_trained = [p for p in value_model.parameters() if p.requires_grad]  # ALGO: two groups, each its own rate
+    optimizer = torch.optim.AdamW([dict(params=[p for p in trained if all(p is not v for v in value_trained)]),
+                                   dict(params=value_trained, lr=args.value_learning_rate)],
+                                  lr=args.learning_rate, fused=use_cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.num_steps)
     weight_buffer = None
     if args.rank == 0:  # ASYNC: the hand-off's buffer, allocated once the models are sharded
@@ -708,7 +717,7 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
                                  token_entropy(logits, response_mask, args.temperature),
                                  generator_gap]).detach().float()
         outputs.append(F.pad(per_token.cpu(), (0, mask.shape[1] - response_mask.shape[1])))  # [8, rows, width]
-    grad_norm = core.clip_grad_norm(learner.parameters(), args.max_grad_norm)
+    grad_norms = clip_gradients(optimizer, args)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -735,8 +744,19 @@ def ppo_update(learner, optimizer, scheduler, mini_batch: dict, args: Args, run:
     # the learner's pi_old (always computed here) against mu, over the loss's terms
     stats.update(core.offpolicy_stats(mini_batch["learner_log_ratio"], mask, mini_batch["is_weights"][terms],
                                          mini_batch["is_changed"][terms], args.world_size))
-    return {"grad/norm": grad_norm,
-            "value/explained_variance": mini_batch["explained_variance"][0], **stats}
+    return {**grad_norms, "value/explained_variance": mini_batch["explained_variance"][0], **stats}
+
+
+def clip_gradients(optimizer, args: Args) -> dict:
+    """Clip the gradients to --max_grad_norm: the policy's and the value model's together, as one model (the
+    paper's); with LoRA each group apart, so that the fully trained value model's gradient, orders larger than the
+    adapter's, does not set the adapter's clip. Returns the norms before clipping."""
+    groups = [group["params"] for group in optimizer.param_groups]  # (main's two; a caller's own optimizer: one)
+    if not args.lora_rank or len(groups) == 1:
+        return {"grad/norm": core.clip_grad_norm([p for params in groups for p in params], args.max_grad_norm)}
+    policy_params, value_params = groups
+    return {"grad/norm": core.clip_grad_norm(policy_params, args.max_grad_norm),
+            "grad/value_norm": core.clip_grad_norm(value_params, args.max_grad_norm)}
 
 
 # --- Weight hand-off: a shared buffer, written by the learner, read by the generator --------------
@@ -765,9 +785,9 @@ def write_weight_snapshot(model, buffer: Optional[torch.Tensor], table: list) ->
     Every rank calls it (gathering an FSDP2 shard is a collective); only rank 0 has a buffer."""
     from torch.distributed.tensor import DTensor
 
-    trained = [param for param in model.parameters() if param.requires_grad]  # (LoRA: the adapter)
-    for (name, offset, shape), param in zip(table, trained):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+    params = dict(model.named_parameters())  # (by name: core.check_hand_off matched the table at start)
+    for name, offset, shape in table:
+        full = params[name].full_tensor() if isinstance(params[name], DTensor) else params[name]
         if buffer is not None:
             buffer[offset: offset + full.numel()].copy_(full.detach().reshape(-1))
     if buffer is not None and buffer.is_cuda:

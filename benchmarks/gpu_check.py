@@ -17,16 +17,24 @@
       the policy's, and PPO's and RLOO's first ratios with pi_old recomputed and with pi_old from a bfloat16 sampler
       (steps at lr 0 with plain SGD, which holds no state; each algorithm's peak GPU memory printed);
   (f) real generators reloading versions (in flight, between rounds, a LoRA adapter); (g) seeded sampling's cost;
-  (h) the in-flight reload of (f) with two engines under one admission record, both loading (on GPUs: engine 1 on
-      GPU 1 by vLLM's device_ids, reading the slots on GPU 0; on one GPU, (f) runs one engine and (h) is skipped).
+  (h) the in-flight reload of (f) with two engines under one admission record, both loading, each on its own GPU
+      (engine 1 on GPU 1 by vLLM's device_ids, reading the slots on GPU 0; it needs 3 GPUs, two engines and a
+      learner's: with fewer it is listed as skipped);
+  (i) the LoRA preset's learner (async_dpo.py --model llama-3.1-8b-no-robots-lora: Llama 3.1 8B's architecture with
+      random weights, a rank-64 adapter, the adapter off as the reference, its micro-batch of 2 prompts of 512 + 1024
+      tokens): one step, its peak beside docs/gpu.md's row.
 
-    python benchmarks/gpu_check.py                       # a few minutes on one 80 GB GPU (pythia-2.8b)
+    python benchmarks/gpu_check.py                       # every check: vLLM's GPU build, a few minutes on one GPU
+    python benchmarks/gpu_check.py --learner_only        # torch, transformers and peft only: (a) (b) (c) (d) (e) (i)
     python benchmarks/gpu_check.py --model pythia-410m   # smaller
     python benchmarks/gpu_check.py --estimate_only       # print the README's memory table and stop
 
-On a machine without a GPU it runs the same code on the CPU with a small model (what CI runs, so it cannot rot).
+Without vLLM installed it runs the learner's checks only (--learner_only), saying so. On a machine without a GPU it
+runs the same code on the CPU with small models (what CI runs, so that neither mode can rot); a machine that has a
+GPU torch cannot use is refused, so that no check passes on the CPU by mistake.
 """
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -48,7 +56,7 @@ from types import SimpleNamespace  # noqa: E402
 
 import async_dpo  # noqa: E402
 import tiny_world  # noqa: E402
-from plumbing import checkpoint, core, lora  # noqa: E402
+from plumbing import checkpoint, core, lora, transport  # noqa: E402
 from plumbing.generator_io import Generator, GeneratorError  # noqa: E402
 
 GIB = 2**30
@@ -56,6 +64,7 @@ PYTHIA = {  # hidden size, layers, heads (from the EleutherAI Pythia configs; vo
     "pythia-410m": (1024, 24, 16), "pythia-1b": (2048, 16, 8), "pythia-2.8b": (2560, 32, 32),
     "pythia-6.9b": (4096, 32, 32), "cpu-small": (128, 2, 4),
 }
+LORA_PRESET = dict(rank=64, micro_batch=2, prompt_length=512, response_length=1024)  # (async_dpo.py's LoRA preset)
 
 
 @dataclass
@@ -70,6 +79,8 @@ class Args:
     """response tokens per sequence"""
     estimate_only: bool = False
     """print the memory estimate table for the presets and exit"""
+    learner_only: bool = False
+    """the checks that need no vLLM: (a) (b) (c) (d) (e) (i) (the default where vLLM is not installed)"""
     only: tuple[str, ...] = ()
     """run only these checks, by letter (`--only f g`; default: all)"""
     collectives_worker: bool = False
@@ -82,6 +93,9 @@ def model_config(name: str):
     if name == "llama-3.1-8b":  # meta-llama/Llama-3.1-8B's config.json (the No Robots preset's architecture)
         return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, num_labels=1)
+    if name == "cpu-small-llama":  # (i) on a CPU: the same architecture, toy-sized
+        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_labels=1)
     if name == "rho-1b":  # TinyLlama-1.1B's architecture, which microsoft/rho-math-1b (the GSM8k SFT's base) has
         return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                            num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False, num_labels=1)
@@ -210,23 +224,49 @@ def print_lora_estimate(rank: int = 64, gpu_gib: float = 79.2) -> None:
           f"{adapter / params:.2%} of {params / 1e9:.2f} B), DPO, one learner process:")
     for micro in (2, 1):
         e = memory_estimate("llama-3.1-8b", micro, 512 + 1024, 1024)
-        rows = {"base fp32 (frozen)": e["policy weights"], "adapter + grads + AdamW": 16 * adapter / GIB,
-                "reference": 0.0, "reward model": e["reward model"], "buffer (adapter, bf16)": 2 * adapter / GIB,
-                "activations / micro-batch": e["activations / micro-batch"],
-                "generator's CUDA context": CUDA_CONTEXT_GIB}
+        rows = lora_learner_rows(micro, rank)
         learner = sum(rows.values())
         optimizer_saved = e["gradients + AdamW"] - rows["adapter + grads + AdamW"]
         buffer_saved = e["weight buffer"] - rows["buffer (adapter, bf16)"]
         vllm = 2 * params / GIB + 2 * adapter / GIB
-        share = (gpu_gib - learner) / gpu_gib
         parts = ", ".join(f"{k} {v:.1f}" for k, v in rows.items())
         print(f"  micro-batch {micro}: learner {learner:.1f} GiB ({parts}); against a full-weight replica it saves "
               f"the reference's {e['reference']:.1f} GiB (the adapter off), {optimizer_saved:.1f} of gradients and "
               f"AdamW, {buffer_saved:.1f} of buffer; vLLM's weights and adapter slot {vllm:.1f} GiB. Two 80 GB GPUs "
-              f"(vLLM on GPU 0, the learner on GPU 1): the learner fits with {gpu_gib - learner:.1f} GiB spare. One "
-              f"{gpu_gib:.0f} GiB GPU shared: --vllm_gpu_memory_utilization at most {share:.2f}, leaving vLLM "
-              f"{share * gpu_gib - vllm:.1f} GiB of KV cache (one 141 GB GPU, 131 GiB: at most "
-              f"{(131 - learner) / 131:.2f}, {(131 - learner) - vllm:.1f} GiB of KV cache)")
+              f"(vLLM on GPU 0, the learner on GPU 1): the learner fits with {gpu_gib - learner:.1f} GiB spare. "
+              + "; ".join(shared_gpu(learner, vllm, gib) for gib in (gpu_gib, 131.0)))
+
+
+# vLLM's own memory beside its request on a shared GPU (gpu_worker.py: the KV cache is the request, utilization x the
+# GPU, less the weights and the profile run's peak; its CUDA context and the CUDA graphs captured after it lie
+# outside the request unless VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS). Assumed, not measured here: vLLM logs its
+# own at start-up ("Available KV cache memory", its CUDA graph estimate)
+VLLM_PROFILE_PEAK_GIB, VLLM_OUTSIDE_REQUEST_GIB, ALLOCATOR_MARGIN_GIB = 1.5, 1.5, 2.0
+
+
+def shared_gpu(learner: float, vllm_weights: float, gpu_gib: float) -> str:
+    """The learner and vLLM on one GPU: the largest --vllm_gpu_memory_utilization that leaves the learner its
+    estimate (whose generator's CUDA context is here the learner's own: the generator's is vLLM's, outside its
+    request) and a margin for the allocator, beside vLLM's context and CUDA graphs; and the KV cache vLLM's formula
+    then leaves (its request less its weights and the profile run's peak)."""
+    room = gpu_gib - learner - ALLOCATOR_MARGIN_GIB - VLLM_OUTSIDE_REQUEST_GIB
+    share = math.floor(100 * room / gpu_gib) / 100
+    kv = share * gpu_gib - vllm_weights - VLLM_PROFILE_PEAK_GIB
+    if kv <= 0:
+        return f"one {gpu_gib:.0f} GiB GPU shared: does not fit (at {share:.2f}, no KV cache is left)"
+    return (f"one {gpu_gib:.0f} GiB GPU shared: --vllm_gpu_memory_utilization {share:.2f} at most, {kv:.1f} GiB of KV "
+            f"cache ({kv * GIB / 2**17 / 1e3:.0f} k tokens at 128 KiB a token)")
+
+
+def lora_learner_rows(micro: int, rank: int = LORA_PRESET["rank"]) -> dict:
+    """GiB of the LoRA preset's learner by component (docs/gpu.md's row; print_lora_estimate says what each is)."""
+    config = model_config("llama-3.1-8b")
+    adapter = lora_parameters(config, rank)
+    e = memory_estimate("llama-3.1-8b", micro, LORA_PRESET["prompt_length"] + LORA_PRESET["response_length"],
+                        LORA_PRESET["response_length"])
+    return {"base fp32 (frozen)": e["policy weights"], "adapter + grads + AdamW": 16 * adapter / GIB,
+            "reference": 0.0, "reward model": e["reward model"], "buffer (adapter, bf16)": 2 * adapter / GIB,
+            "activations / micro-batch": e["activations / micro-batch"], "generator's CUDA context": CUDA_CONTEXT_GIB}
 
 
 def print_stream_estimate() -> None:
@@ -235,7 +275,8 @@ def print_stream_estimate() -> None:
     activations (sequences of 512 + 512 tokens: 16, the preset's micro-batch, for rho-1b, 4 at 8B; PPO's arithmetic,
     whose float32 copy of the logits the entropy makes here too, with one trained backbone), the generator's CUDA
     context; under --fsdp over 7 learners, the policy's pieces gathered as in the DPO row."""
-    print("\nfully_async_grpo.py (GRPO, sequences of 512 + 512 tokens), learner rank 0:")
+    print("\nfully_async_grpo.py (GRPO, sequences of 512 + 512 tokens), learner rank 0, one engine (each engine maps "
+          f"the slots on rank 0's GPU by CUDA IPC: --num_generators G adds {CUDA_CONTEXT_GIB} GiB a further engine):")
     for name, micro in (("rho-1b", 16), ("llama-3.1-8b", 4)):
         config = model_config(name)
         params, hidden, layers = parameter_count(config), config.hidden_size, config.num_hidden_layers
@@ -269,29 +310,42 @@ def dpo_mini_batch(prompts: list, chosen: list, rejected: list, valid: torch.Ten
                 ref_chosen_logps=ref_logps[:M], ref_rejected_logps=ref_logps[M:])
 
 
-def learner_step(args: Args, device: torch.device) -> str:
-    """(a) One learner step through the script's own functions, timing it and measuring peak memory."""
-    from transformers import AutoModelForCausalLM, GPTNeoXForSequenceClassification
+def learner_step(args: Args, device: torch.device, lora_rank: int = 0) -> str:
+    """(a) One learner step through the script's own functions, timing it and measuring peak memory. With
+    `lora_rank`, (i): the LoRA preset's learner (Llama 3.1 8B's architecture, toy-sized on a CPU; the adapter on every
+    linear layer, the adapter off as the reference, the preset's micro-batch and lengths on a GPU)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config, dtype = model_config(args.model), torch.bfloat16 if device.type == "cuda" else torch.float32
+    on_gpu = device.type == "cuda"
+    name = args.model if not lora_rank else "llama-3.1-8b" if on_gpu else "cpu-small-llama"
+    M, prompt_length, response_length = (
+        (LORA_PRESET["micro_batch"], LORA_PRESET["prompt_length"], LORA_PRESET["response_length"]) if lora_rank
+        and on_gpu else (args.per_device_train_batch_size, args.prompt_length, args.response_length))
+    config, dtype = model_config(name), torch.bfloat16 if on_gpu else torch.float32
     torch.manual_seed(0)
     with device:  # random weights drawn on the device itself: on the CPU, 2.8B of them take a minute a model
         policy = core.train_without_dropout(AutoModelForCausalLM.from_config(config, dtype=torch.float32), True)
-        ref_policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-        reward_model = GPTNeoXForSequenceClassification(config).to(dtype)
+        ref_policy = None if lora_rank else AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32).eval().requires_grad_(False)
+        reward_model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    assert all(p.device.type == device.type for p in policy.parameters()), "the policy is not on the check's device"
+    if lora_rank:  # (as the scripts build it: the adapter on the base, the reference the adapter off)
+        policy = lora.add_adapter(policy, SimpleNamespace(lora_rank=lora_rank, lora_alpha=None,
+                                                          lora_target_modules=None)).to(device)
+        ref_policy = lora.AdapterOff(policy)
     reward_model.score.float()
     reward_model.retokenize = None  # it shares the policy's tokens (as plumbing.reward_models says)
     reward_model = reward_model.to(device).eval().requires_grad_(False)
     table = async_dpo.weight_table(policy)
     buffer = async_dpo.make_weight_buffer(table, dtype, device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6, fused=on_gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=on_gpu)
     run = core.Run(device, autocast, 0, 0)  # the run's fixed facts (random tokens: 0 ends and pads)
-    run_args = dpo_args(args.per_device_train_batch_size)
-    M, vocab = args.per_device_train_batch_size, config.vocab_size
-    prompts = torch.randint(1, vocab, (M, args.prompt_length)).tolist()
-    chosen, rejected = (torch.randint(1, vocab, (M, args.response_length)).tolist() for _ in range(2))
+    run_args = dpo_args(M)
+    vocab, label = config.vocab_size, "(i)" if lora_rank else "(a)"
+    prompts = torch.randint(1, vocab, (M, prompt_length)).tolist()
+    chosen, rejected = (torch.randint(1, vocab, (M, response_length)).tolist() for _ in range(2))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(2):  # the second step has the AdamW moments allocated: the steady state
@@ -305,19 +359,24 @@ def learner_step(args: Args, device: torch.device) -> str:
         sync_start = time.time()
         async_dpo.write_weight_snapshot(policy, buffer, table)
         step_seconds = sync_start - start
-        print(f"(a) step {step}: learner step {step_seconds:.2f} s, weight snapshot "
+        print(f"{label} step {step}: learner step {step_seconds:.2f} s, weight snapshot "
               f"{time.time() - sync_start:.3f} s, DPO loss {loss:.4f}", flush=True)
     assert math.isfinite(loss), "the DPO loss is not finite"
-    estimate = memory_estimate(args.model, M, args.prompt_length + args.response_length, args.response_length)
+    if lora_rank:  # docs/gpu.md's LoRA row at the preset's micro-batch (the generator's CUDA context is not ours)
+        estimate = lora_learner_rows(LORA_PRESET["micro_batch"], lora_rank)
+    else:
+        estimate = memory_estimate(args.model, M, prompt_length + response_length, response_length)
     expected = sum(v for k, v in estimate.items() if k not in ("parameters (B)", "generator's CUDA context"))
-    figure = f"step {step_seconds:.2f} s"
-    if device.type == "cuda":
+    figure = f"{name}, step {step_seconds:.2f} s"
+    if on_gpu:
         peak = torch.cuda.max_memory_allocated(device) / GIB
-        print(f"(a) peak GPU memory {peak:.1f} GiB; README estimate {expected:.1f} GiB "
+        print(f"{label} peak GPU memory {peak:.1f} GiB; the docs' estimate {expected:.1f} GiB "
               f"({json.dumps({k: round(v, 2) for k, v in estimate.items()})})")
         figure += f", peak {peak:.1f} GiB (estimate {expected:.1f})"
     else:
-        print(f"(a) no GPU: ran on the CPU; the README's estimate for this model would be {expected:.2f} GiB")
+        print(f"{label} no GPU: ran on the CPU; the docs' estimate at this check's GPU size is {expected:.2f} GiB")
+    if lora_rank:
+        return figure
     # --resume_from, before it loads a checkpoint: a fresh AdamW's moments, allocated by a step at lr 0 on zero
     # gradients that are views of one shared buffer (DCP's own way zero-fills a full gradient set: +4 B/parameter)
     del optimizer, scheduler
@@ -696,27 +755,31 @@ def inflight_reload(device: torch.device, num_generators: int = 1) -> str:
     fa.write_weight_snapshot(new, slots[1], table)
     engine = fa.engine_kwargs(args, AutoConfig.from_pretrained(args.sft_model_path), use_cuda)
     assert engine["async_scheduling"] is False and engine["enforce_eager"] is not use_cuda, engine
-    record, address = fa.open_record(args)
-    engines, groups = fa.start_engines(engine, table, tokenizer.eos_token_id, None, 0, args), []
+    record, address = transport.open_record(args)
+    engines = transport.start_engines(fa.generator_main, engine, table, tokenizer.eos_token_id, None, 0, args)
+    groups, gpus = [], []
     try:
-        for engine in engines:
-            assert fa.collect(engines, args)["kind"] == "ready"
-            fa.submit([engine], dict(kind="start", weight_slots=slots, prompts=prompts, adapter_config=None,
-                                     engine=engine.engine, record=address))
+        for engine in engines:  # (each engine's "ready" says which GPU it built on)
+            gpus.append(transport.collect(engines, args)["gpu"])
+            transport.submit([engine], dict(kind="start", weight_slots=slots, prompts=prompts, adapter_config=None,
+                                            engine=engine.engine, record=address))
         fa.open_admission(record, 0, args)
-        fa.submit(engines, dict(kind="go", first_group=0, version=0, slot=0, seed=args.seed, n=args.num_samples,
-                                temperature=args.temperature, max_tokens=args.response_length,
-                                max_staleness=args.max_staleness, groups_per_step=args.groups_per_step,
-                                stale_policy="pace", max_in_flight=args.max_in_flight, inflight_updates=True,
-                                kv_on_update="recompute", engine_room=-(-args.max_in_flight // num_generators)))
-        groups.append(fa.collect(engines, args))  # the others are mid-generation now
-        fa.submit(engines, dict(kind="weights", version=1, slot=1, taken=1, taken_from={0: 1}))  # (the stream then
-        # fills, and stops)
+        transport.submit(engines, dict(
+            kind="go", first_group=0, missing=[], next_index=0, version=0, slot=0, seed=args.seed,
+            n=args.num_samples, temperature=args.temperature, max_tokens=args.response_length,
+            max_staleness=args.max_staleness, groups_per_step=args.groups_per_step, stale_policy="pace",
+            max_in_flight=args.max_in_flight, inflight_updates=True, kv_on_update="recompute",
+            engine_room=-(-args.max_in_flight // num_generators)))
+        groups.append(transport.collect(engines, args))  # the others are mid-generation now
+        transport.submit(engines, dict(kind="weights", version=1, slot=1, taken=1, taken_from={0: 1}))  # (the
+        # stream then fills, and stops)
         while len(groups) < args.max_in_flight:
-            groups.append(fa.collect(engines, args))
+            groups.append(transport.collect(engines, args))
     finally:
         for engine in engines:
             engine.stop()
+    if use_cuda:  # (engine i on GPU i: vLLM's device_ids, as start_engines asks)
+        assert sorted(gpus) == list(range(num_generators)), f"the engines built on GPUs {gpus}"
     # Each completion's tokens by label: (prompt, tokens, the sampler's log-probs, the tokens of that version)
     by_version = {0: [], 1: []}
     for group in groups:
@@ -732,8 +795,8 @@ def inflight_reload(device: torch.device, num_generators: int = 1) -> str:
     judge_reload(f"{len(by_version[1])} completions loaded mid-generation, their later tokens", after["new"],
                  after["old"], device)
     assert before["old"].median() < RELOAD_TOLERANCE[device.type], "their earlier tokens are not the old weights'"
-    return (f"{num_generators} engine(s), {len(by_version[1])} completions over 2 versions: version-1 tokens "
-            f"median gap "
+    return (f"{num_generators} engine(s){f' on GPUs {sorted(gpus)}' if use_cuda else ''}, {len(by_version[1])} "
+            f"completions over 2 versions: version-1 tokens median gap "
             f"{after['new'].median():.1e} to v1, {after['old'].median():.2f} to v0; version-0 tokens "
             f"{before['old'].median():.1e} to v0")
 
@@ -757,10 +820,14 @@ def reload_between_rounds(device: torch.device, lora_rank: int = 0) -> str:
     if lora_rank:  # (the policy with an adapter; `old`, its base, is the reference: the adapter off)
         new = lora.add_adapter(AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32),
                                args).to(device).eval()
-        with torch.no_grad():
-            for name, param in new.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 1.0, generator=torch.Generator(device).manual_seed(1))
+        with torch.no_grad():  # each adapter's update 4x the weight it adapts (Frobenius norms): log-probs move by
+            # nats, the hidden states grow ~2x at most (measured on the tiny policy; B ~ N(0, 1) made them ~7x larger,
+            # and bfloat16's noise with them)
+            for module in new.modules():
+                if isinstance(getattr(module, "lora_B", None), torch.nn.ModuleDict) and "default" in module.lora_B:
+                    a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                    b.normal_(0, 1.0, generator=torch.Generator(device).manual_seed(1))
+                    b.mul_(4 * module.base_layer.weight.norm() / (module.scaling["default"] * b @ a).norm())
         table = async_dpo.weight_table(new)
     buffer = async_dpo.make_weight_buffer(table, torch.bfloat16 if use_cuda else torch.float32, device)
     engine = async_dpo.engine_kwargs(args, AutoConfig.from_pretrained(args.sft_model_path), use_cuda)
@@ -819,18 +886,56 @@ def seeded_sampling(device: torch.device, repeats: int = 10) -> str:
 
 # --- Running the checks: each timed, one table -----------------------------------------------------------------------
 def run_check(name: str, function, *inputs) -> tuple:
-    """Run one check: (its name, whether it passed, its figure or its error, its seconds)."""
+    """Run one check: (its name, its result: pass, FAIL or skipped, its figure or its error or why it was
+    skipped, its seconds). A check's SystemExit (a script's refusal at start-up) is its failure, not the run's end."""
     start = time.time()
     try:
-        figure, passed = function(*inputs) or "", True
-    except Exception as error:  # (one check's failure must not hide the others' results)
+        figure, result = function(*inputs) or "", "pass"
+    except Skipped as reason:
+        figure, result = str(reason), "skipped"
+    except (Exception, SystemExit) as error:  # (one check's failure must not hide the others' results)
         traceback.print_exc()
-        figure, passed = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}", False
+        figure, result = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}", "FAIL"
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"== {name}: {'pass' if passed else 'FAIL'} in {time.time() - start:.0f} s", flush=True)
-    return name, passed, figure, time.time() - start
+    print(f"== {name}: {result} in {time.time() - start:.0f} s", flush=True)
+    return name, result, figure, time.time() - start
+
+
+def skipped(reason: str):
+    """A check this machine cannot run: listed in the table as skipped, with why."""
+    def check() -> None:
+        raise Skipped(reason)
+    return check
+
+
+class Skipped(Exception):
+    pass
+
+
+def check_list(args: Args, device: torch.device) -> list:
+    """(name, function, inputs) of each check this run makes: --learner_only, the ones without vLLM; those this
+    machine cannot run listed as skipped. The vLLM checks first: a lent GPU's time may run out."""
+    gpus = torch.cuda.device_count()
+    # (h): two engines and a learner, a GPU each (the scripts' rule); (e) and DDP over NCCL: a GPU per rank
+    two_engines = gpus == 0 or gpus >= 3
+    engine_checks = [
+        ("(f) in-flight reload, fully_async_grpo.py" + (", (h) two engines" if two_engines else ""), inflight_reload,
+         device, 2 if two_engines else 1),
+        *([] if two_engines else [("(h) two engines", skipped(f"needs 3 GPUs (2 engines, a learner), {gpus} here"))]),
+        ("(f) reload between rounds, async_dpo.py", reload_between_rounds, device),
+        ("(f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8", reload_between_rounds, device, 8),
+        ("(g) seeded sampling's cost", seeded_sampling, device, 10 if device.type == "cuda" else 3)]
+    learner_checks = [
+        ("(a) learner step and resume", learner_step, args, device),
+        ("(i) the LoRA preset's learner step", learner_step, args, device, LORA_PRESET["rank"]),
+        ("(d) precision parity at step 0", precision_parity, args, device),
+        ("(c) weight hand-off, one buffer", weight_handoff, args, device),
+        ("(c) weight hand-off, k + 1 slots", weight_handoff, args, device, 3),  # (fully_async_grpo.py at k = 2)
+        (f"(b, e) collectives on 2 ranks{' (gloo only)' if gpus == 1 else ''}", collectives),
+        *([("(e) --fsdp load, DDP over NCCL", skipped("need a GPU per rank, one here"))] if gpus == 1 else [])]
+    return learner_checks if args.learner_only else engine_checks + learner_checks
 
 
 def collectives(world_size: int = 2) -> str:
@@ -852,35 +957,28 @@ if __name__ == "__main__":
     if args.estimate_only:
         print_estimate_table(args)
         sys.exit(0)
+    if os.path.exists("/dev/nvidia0") and not torch.cuda.is_available():  # (never a CPU run passed as a GPU's)
+        sys.exit(f"error: this machine has an NVIDIA GPU (/dev/nvidia0) but torch cannot use it (torch "
+                 f"{torch.__version__}, CUDA {torch.version.cuda}): the checks would run on the CPU")
+    if not args.learner_only and importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed: the learner's checks only (--learner_only)", flush=True)
+        args.learner_only = True
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
         args.model = "cpu-small"
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'no GPU'}), "
           f"model {args.model}, micro-batch {args.per_device_train_batch_size} x 2 sequences of "
           f"{args.prompt_length} + {args.response_length} tokens", flush=True)
-    gpus = torch.cuda.device_count()
-    checks = [  # the vLLM checks first: they were never run on a GPU, and a lent GPU's time may run out
-        # (f) and (h) in one: two engines loading in flight where they can be placed (engine 1 on GPU 1: a one-GPU
-        # machine runs one engine, (f) alone), each engine's tokens checked as one engine's are
-        ("(f) in-flight reload, fully_async_grpo.py" + ("" if gpus == 1 else ", (h) two engines"), inflight_reload,
-         device, 1 if gpus == 1 else 2),
-        ("(f) reload between rounds, async_dpo.py", reload_between_rounds, device),
-        ("(f) LoRA hand-off between rounds, async_dpo.py --lora_rank 8", reload_between_rounds, device, 8),
-        ("(g) seeded sampling's cost", seeded_sampling, device, 10 if device.type == "cuda" else 3),
-        ("(a) learner step and resume", learner_step, args, device),
-        ("(d) precision parity at step 0", precision_parity, args, device),
-        ("(c) weight hand-off, one buffer", weight_handoff, args, device),
-        ("(c) weight hand-off, k + 1 slots", weight_handoff, args, device, 3),  # (fully_async_grpo.py at k = 2)
-        (f"(b, e) collectives on 2 ranks{' (NCCL skipped: one GPU)' if gpus == 1 else ''}", collectives)]
     start, results = time.time(), []
-    for name, function, *inputs in checks:
-        letters = {x for group in re.findall(r"\(([a-h](?:, [a-h])*)\)", name) for x in group.split(", ")}
+    for name, function, *inputs in check_list(args, device):
+        letters = {x for group in re.findall(r"\(([a-i](?:, [a-i])*)\)", name) for x in group.split(", ")}
         if not args.only or letters & set(args.only):  # ("(b, e) ...", "(f) ..., (h) ...": each letter)
             results.append(run_check(name, function, *inputs))
     print("\n| check | result | measured | seconds |\n|---|---|---|---|")
-    for name, passed, figure, seconds in results:
-        print(f"| {name} | {'pass' if passed else '**FAIL**'} | {figure} | {seconds:.0f} |")
-    failed = sum(not passed for _, passed, _, _ in results)
-    print(f"\ngpu_check: {len(results) - failed} of {len(results)} checks passed in {time.time() - start:.0f} s on "
+    for name, result, figure, seconds in results:
+        print(f"| {name} | {'**FAIL**' if result == 'FAIL' else result} | {figure} | {seconds:.0f} |")
+    failed, passed = (sum(result == r for _, result, _, _ in results) for r in ("FAIL", "pass"))
+    print(f"\ngpu_check{' --learner_only' if args.learner_only else ''}: {passed} of {len(results)} checks passed, "
+          f"{len(results) - passed - failed} skipped, in {time.time() - start:.0f} s on "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'the CPU'}", flush=True)
     sys.exit(1 if failed else 0)

@@ -14,4 +14,6 @@ above it:
     checkpoint     --save_every and --resume_from
     lora           --lora_rank: the adapter added, the reference's wrapper, an adapter handed to vLLM
     launch         parsing the flags, starting the run, a clean exit on every path
+    transport      the streaming twins' engines on several nodes: started, watched, stopped; their messages;
+                   the admission record's store; the leaders' group that carries versions; adoption
 """

@@ -24,10 +24,11 @@ def fail(message: str) -> NoReturn:
 
 
 def check_flags(args, positive: tuple = ("temperature", "eval_temperature"),
-                round_prompts: Optional[int] = None) -> None:
+                round_prompts: Optional[int] = None, unit: str = "prompts") -> None:
     """Refuse common flags that make no sense, and sizes that do not divide over args.world_size ranks (a
     script checks its own flags itself, in its resolve_args). `positive`: the script's own flags that must be
-    positive; `round_prompts`: what one generation round takes (default --batch_size)."""
+    positive; `round_prompts`: what one generation round takes (default --batch_size); `unit`: what --batch_size
+    counts (the streaming twins: completions)."""
     for name in ("response_length", "max_prompt_length", "total_episodes", "batch_size",
                  "per_device_train_batch_size", "num_eval_prompts", "eval_response_length", "generator_cores",
                  "lag_every", *positive):
@@ -50,9 +51,9 @@ def check_flags(args, positive: tuple = ("temperature", "eval_temperature"),
         (args.batch_size % world_size,
          f"--batch_size {args.batch_size} must divide over {world_size} processes"),
         (local % per_device, f"--per_device_train_batch_size {per_device} must divide the "
-         f"per-process batch ({local} prompts)"),
+         f"per-process batch ({local} {unit})"),
         (args.total_episodes < per_round, f"--total_episodes {args.total_episodes} is smaller than "
-         f"one generation round ({per_round} prompts)"),
+         f"one generation round ({per_round} {unit})"),
         # LoRA (plumbing.lora): flags that set an adapter need a rank; vLLM sizes adapters up to rank 512
         (args.lora_rank < 0, f"--lora_rank must be 0 (full fine-tuning) or positive, got {args.lora_rank}"),
         (args.lora_rank == 0 and (args.lora_alpha is not None or args.lora_target_modules is not None
@@ -353,6 +354,25 @@ def clip_grad_norm(parameters, max_norm: Optional[float]) -> float:
     """The gradients' norm over all ranks before clipping (to --max_grad_norm; None: no clip)."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (FSDP2: DTensor)
+
+
+def check_hand_off(policy: torch.nn.Module, table: list) -> None:
+    """The weight hand-off's table (built before the policy loads, from a fresh model: its trained parameters, by
+    name) against the policy as it trains: each name a parameter of the policy, of the same shape, and every
+    parameter that trains in the table (else the generator would never receive its updates). The snapshot copies
+    by name: a fork that freezes a parameter the table lists passes (its SFT values, unchanged, go to the
+    generator); one that trains a parameter the table lacks, or renames or reshapes one, is refused here."""
+    params = dict(policy.named_parameters())
+    for name, _, shape in table:
+        if name not in params or tuple(params[name].shape) != tuple(shape):
+            fail(f"the weight hand-off carries {name} {list(shape)}, but the policy "
+                 + (f"has it as {list(params[name].shape)}" if name in params else "has no parameter of that name")
+                 + ": build the table (weight_table) from the model as the learner trains it")
+    listed = {name for name, _, _ in table}
+    for name, param in params.items():
+        if param.requires_grad and name not in listed:
+            fail(f"the policy trains {name}, which the weight hand-off does not carry (weight_table lists the "
+                 "parameters a fresh model trains): the generator would sample with its SFT values for ever")
 
 
 def local_parameters(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -91,20 +91,27 @@ def receive_any(generators: list):
 def poll(generators: list, timeout: float = 0.0):
     """The next message of generators sharing one results queue, waiting up to `timeout` seconds: None when
     nothing has come and every generator lives; an error sent, or the death of one (naming its engine), as
-    a GeneratorError."""
+    a GeneratorError. Every call looks for a death first: the others' messages may keep the queue full long
+    after one engine died (with G >= 2 and k >= 1, for up to k + 1 steps)."""
     results = generators[0].results
-    try:
-        message = results.get(timeout=timeout) if timeout else results.get_nowait()
-    except queue.Empty:
-        if (death := exited(generators)) is None:
-            return None
-        try:  # it may have reported its error just before exiting
-            message = results.get(timeout=1.0)
+    if (death := exited(generators)) is None:
+        try:
+            message = results.get(timeout=timeout) if timeout else results.get_nowait()
         except queue.Empty:
-            return death
-    if message["kind"] == "error":
-        return GeneratorError("the generator process failed:\n" + message["traceback"])
-    return message
+            if (death := exited(generators)) is None:
+                return None
+        else:
+            return GeneratorError("the generator process failed:\n" + message["traceback"]) \
+                if message["kind"] == "error" else message
+    deadline = time.time() + 1.0  # it may have reported its error just before exiting: that says more
+    while (left := deadline - time.time()) > 0:
+        try:
+            message = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if message["kind"] == "error":
+            return GeneratorError("the generator process failed:\n" + message["traceback"])
+    return death
 
 
 def exited(generators: list) -> Optional[GeneratorError]:

@@ -2,6 +2,7 @@
 evaluation's judges), a new value of a flag (an error, not another branch), a new flag (the script's own checks and
 resume rules, no edit of the plumbing all the scripts share)."""
 import importlib
+import math
 import os
 import re
 from dataclasses import fields
@@ -11,7 +12,7 @@ import torch
 from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plumbing import core
+from plumbing import core, lora
 from plumbing.reward_models import load_reward_model
 
 CPU = torch.device("cpu")
@@ -110,16 +111,21 @@ def test_ppo_importance_dispatches_name_an_unknown_value():
 
 
 def test_plumbing_reads_no_flag_of_one_script():
-    """A flag that is not async_dpo.py's (PPO's clip ranges, RLOO's correction, GSM8k's splits) or that is DPO's
-    own learning rule (--beta, --loss) is checked and used by its script alone: the plumbing every script shares
-    reads none of them (core.check_flags used to read PPO's, RLOO's and sync's flags, so a fork's new flag meant
-    editing shared code)."""
-    base = {f.name for f in fields(importlib.import_module("async_dpo").Args)}
-    own = {"beta", "loss"} | {f.name for script in SCRIPTS for f in fields(importlib.import_module(script).Args)
-                              if f.name not in base}
+    """A flag that is not every script's (PPO's clip ranges, RLOO's correction, GSM8k's splits) or that is DPO's
+    own learning rule (--beta, --loss) is checked and used by its script alone: a plumbing module reads only flags
+    every script that imports it has (transport: the streaming twins' engines and nodes), and none of those
+    (core.check_flags used to read PPO's, RLOO's and sync's flags, so a fork's new flag meant editing shared
+    code)."""
+    scripts = SCRIPTS + ["agentic_grpo"]
+    flags = {script: {f.name for f in fields(importlib.import_module(script).Args)} for script in scripts}
     folder = os.path.join(REPO, "plumbing")
     for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
+        if name.endswith(".py") and name != "__init__.py":
+            users = [script for script in scripts if re.search(  # (the scripts that name it: transport, the twins)
+                rf"from plumbing import [^\n]*\b{name[:-3]}\b", open(os.path.join(REPO, script + ".py")).read())]
+            users = users or scripts  # (one the scripts reach through another: every script's)
+            own = {"beta", "loss"} | (set.union(*flags.values()) - flags["async_dpo"]
+                                      - set.intersection(*(flags[u] for u in users)))
             source = open(os.path.join(folder, name)).read()
             read = set(re.findall(r"args\.(\w+)", source)) | set(re.findall(r"getattr\(args, \"(\w+)\"", source))
             assert not read & own, f"plumbing/{name} reads {sorted(read & own)}"
@@ -141,3 +147,29 @@ def test_a_forks_new_flag_may_differ_on_resume_by_its_scripts_own_rule(tmp_path,
     with pytest.raises(SystemExit):
         checkpoint.check_same_run(args, async_dpo.MAY_DIFFER_ON_RESUME)
     assert "its run had --my_new_flag 1, this one has 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", SCRIPTS + ["agentic_grpo"])
+def test_the_hand_off_copies_by_name_when_a_fork_freezes_a_parameter(script, tiny_dir):
+    """A fork freezes the policy's embedding: the hand-off's table, built from a fresh model, still lists it, and
+    the snapshot gives every name its own parameter's values (it paired the table with the trained parameters by
+    position: every tensor after the embedding shifted, and vLLM loaded wrong values under right names). A fork
+    that trains what the table lacks (LoRA, and the embedding unfrozen) is refused at start, naming it."""
+    module = importlib.import_module(script)
+    sft = os.path.join(tiny_dir, "sft")
+    table = module.weight_table(AutoModelForCausalLM.from_pretrained(sft))
+    policy = AutoModelForCausalLM.from_pretrained(sft)
+    policy.get_input_embeddings().weight.requires_grad_(False)
+    core.check_hand_off(policy, table)  # (frozen, listed: its SFT values go to the generator, as they are)
+    _, offset, shape = table[-1]
+    buffer = torch.full((offset + math.prod(shape),), float("nan"))
+    module.write_weight_snapshot(policy, buffer, table)
+    params = dict(policy.named_parameters())
+    for name, tensor in module.weights_from_buffer(buffer, table):
+        assert torch.equal(tensor, params[name].detach()), name
+    args = module.Args(lora_rank=4)
+    adapted = lora.add_adapter(AutoModelForCausalLM.from_pretrained(sft), args)
+    adapter_table = module.weight_table(lora.add_adapter(AutoModelForCausalLM.from_pretrained(sft), args))
+    adapted.get_input_embeddings().weight.requires_grad_(True)
+    with pytest.raises(SystemExit):
+        core.check_hand_off(adapted, adapter_table)

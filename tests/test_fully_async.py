@@ -174,9 +174,12 @@ def test_pace_sigterm_and_resume(chains_dir, tmp_path):
     """k = 2, pace: every group trained on is within 2 versions of the learner and none is discarded; the first step
     trains on the SFT weights' samples with the learner's own weights: ratio and importance weight 1 within float
     error. SIGTERM after step 3 saves a checkpoint at the step's end and exits 143 (nothing left running); the
-    resumed run admits its groups again from the checkpoint's count and weights and ends at step 6, with every step
-    logged once and the bound kept across the restart."""
-    out, pace = tmp_path / "run", (*SIX_STEPS, "--max_staleness", "2", "--stale_policy", "pace", "--save_every", "100")
+    resumed run admits again every group not taken (groups are taken as they finish: a long one may still be
+    sampling while later ones were taken) with the checkpoint's weights, and ends at step 6, with every step logged
+    once, the bound kept across the restart, and every index trained once (resuming from the count taken trained a
+    later index twice and a long one never)."""
+    out, pace = tmp_path / "run", (*SIX_STEPS, "--max_staleness", "2", "--stale_policy", "pace", "--save_every", "100",
+                                   "--record_rollouts")
     process = start_stream(chains_dir, out, *pace)
     children = wait_for_training(process, str(out), steps=3, step_metric="staleness/mean")
     os.killpg(process.pid, signal.SIGTERM)
@@ -185,7 +188,12 @@ def test_pace_sigterm_and_resume(chains_dir, tmp_path):
     result = run_script(*stream_flags(chains_dir, out, *pace), "--resume_from", str(out), script="fully_async_grpo.py")
     assert result.returncode == 0 and f"resumed at step {saved['version']}" in result.stdout, result.stderr[-3000:]
     steps, evals = stream_metrics(out)
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and saved["round"] == 16 * saved["version"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and saved["round"][0] == 16 * saved["version"]
+    groups = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    trained = [g["index"] for g in groups if g["fate"] == "trained"]
+    assert len(trained) == len(set(trained)) == 6 * 16, "an index trained twice across the restart"
+    # (the first run's trained groups and every group the resumed run admitted: each index once, none skipped)
+    assert sorted(g["index"] for g in groups) == list(range(len(groups)))
     assert all(r["staleness/max"] <= 2 and r["rollouts/discarded"] == 0 for r in steps), steps
     assert steps[0]["staleness/max"] == 0 and max(r["staleness/max"] for r in steps) == 2  # (it reaches the bound)
     assert abs(steps[0]["policy/ratio_mean"] - 1) < 1e-5 and abs(steps[0]["is/weight_mean"] - 1) < 1e-5

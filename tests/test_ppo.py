@@ -17,7 +17,10 @@ from test_resume import COMPARED, assert_same_run, run_and_stop
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from async_ppo import (
+    TINY_DEFAULTS,
+    Args,
     PolicyAndValue,
+    clip_gradients,
     collate,
     compute_gae,
     per_token_rewards,
@@ -26,6 +29,7 @@ from async_ppo import (
     token_logprobs,
     whiten,
 )
+from async_ppo import resolve_args as resolve_ppo_args
 
 CPU = torch.device("cpu")
 STEP_METRICS = ["step", "episode", "staleness", "loss/policy", "loss/value", "policy/clipfrac", "policy/approx_kl",
@@ -114,6 +118,26 @@ def test_kl_penalty_on_every_token_and_score_on_the_last():
     rewards, kl = per_token_rewards(torch.tensor([3.0, -1.0]), logprobs, ref_logprobs, mask, kl_coef=0.1)
     torch.testing.assert_close(kl, torch.tensor([[0.5, 0.0, -1.0], [1.0, 0.0, 0.0]]))
     torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.0, 3.1], [-0.1, -1.0, 0.0]]))
+
+
+def test_with_lora_the_adapter_and_the_value_model_have_their_own_rate_and_clip():
+    """With LoRA the adapter trains at its own (larger) rate and the fully trained value model at full fine-tuning's,
+    each clipped on its own gradient's norm (one group and one clip let the adapter's rate reach the value model and
+    the value model's gradient, orders larger, shrink the adapter's step); without LoRA one clip over both, as one
+    model (the paper's), and one rate."""
+    lora_args = resolve_ppo_args(Args(model="tiny", lora_rank=8, learning_rate=1e-3, max_grad_norm=1.0))
+    assert lora_args.value_learning_rate == TINY_DEFAULTS["learning_rate"] != 1e-3
+    assert resolve_ppo_args(Args(model="tiny", learning_rate=1e-3)).value_learning_rate == 1e-3
+    joint = math.hypot(0.1, 100)  # (the two gradients' norm together)
+    for args, adapter_norm, value_norm in ((lora_args, 0.1, 1.0), (Args(max_grad_norm=1.0), 0.1 / joint, 100 / joint)):
+        adapter, value = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+        adapter.grad, value.grad = torch.full((4,), 0.05), torch.full((4,), 50.0)  # norms 0.1 and 100
+        optimizer = torch.optim.AdamW([dict(params=[adapter]), dict(params=[value], lr=args.value_learning_rate)],
+                                      lr=args.learning_rate)
+        norms = clip_gradients(optimizer, args)
+        assert adapter.grad.norm().item() == pytest.approx(adapter_norm, rel=1e-4)
+        assert value.grad.norm().item() == pytest.approx(value_norm, rel=1e-4)
+        assert norms["grad/norm"] == pytest.approx(0.1 if args.lora_rank else joint, rel=1e-4)
 
 
 def test_values_and_logprobs_are_read_where_each_response_token_is_sampled(tiny_dir):
