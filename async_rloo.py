@@ -180,7 +180,9 @@ class Args:
     # LoRA (plumbing/lora.py)
     lora_rank: int = 0
     """train a rank-r LoRA adapter on the frozen SFT weights instead of every weight (0: full fine-tuning); the
-    reference is then the base with the adapter off, and the hand-off carries the adapter only"""
+    reference is then the base with the adapter off, and the hand-off carries the adapter only. --learning_rate is
+    not changed for you: an adapter usually wants ~10x full fine-tuning's (docs/lora.md: 1e-3 against the demo's
+    1e-4), as the -lora presets set it"""
     lora_alpha: Optional[float] = None
     """LoRA's scale: the adapter adds alpha / r x B A to each weight it targets (default: 2 r)"""
     lora_target_modules: Optional[list[str]] = None

@@ -235,7 +235,8 @@ def shard_or_replicate(trained: torch.nn.Module, args, device: torch.device) -> 
 def save_policy(policy: torch.nn.Module, tokenizer, args) -> None:
     """--save_model: save_pretrained to {output_dir}/model (FSDP2: every rank gathers, 0 writes). With LoRA that is
     the adapter in PEFT's format, and --save_merged adds the adapter merged into the SFT weights, a plain checkpoint,
-    in {output_dir}/model_merged (read back from the two folders: any sharding)."""
+    in {output_dir}/model_merged (read back from the two folders: any sharding), merged in float32 and written in
+    the SFT checkpoint's own dtype (bfloat16 for most hub models: the size vLLM serves, not twice it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full_state = get_model_state_dict(policy, options=StateDictOptions(
@@ -248,9 +249,11 @@ def save_policy(policy: torch.nn.Module, tokenizer, args) -> None:
     print(f"saved the policy to {folder}")
     if args.save_merged:
         from peft import PeftModel
+        from transformers import AutoConfig
 
+        saved_dtype = AutoConfig.from_pretrained(args.sft_model_path).dtype or torch.float32  # (the checkpoint's)
         base = type(policy.get_base_model()).from_pretrained(args.sft_model_path, dtype=torch.float32)
-        merged = PeftModel.from_pretrained(base, folder).merge_and_unload()
+        merged = PeftModel.from_pretrained(base, folder).merge_and_unload().to(saved_dtype)
         merged.save_pretrained(folder + "_merged")
         tokenizer.save_pretrained(folder + "_merged")
         print(f"saved the merged policy to {folder}_merged")

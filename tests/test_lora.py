@@ -20,6 +20,35 @@ SHORT = ("--model", "tiny", "--total_episodes", "192", "--eval_every", "0", "--n
          "--num_final_eval_prompts", "64", "--lora_rank", "8", "--learning_rate", "1e-3")
 
 
+def test_the_merged_model_is_written_in_the_sft_checkpoints_dtype(tiny_dir, tmp_path):
+    """--save_merged merges in float32 and writes the SFT checkpoint's own dtype (a bfloat16 checkpoint here, as most
+    hub models are: it wrote float32, twice what vLLM serves); its log-probs are the adapter's to bfloat16's
+    precision. In-process: core.save_policy on a policy whose adapter has moved."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from plumbing import core
+
+    sft = tmp_path / "sft_bf16"
+    AutoModelForCausalLM.from_pretrained(os.path.join(tiny_dir, "sft"), dtype=torch.bfloat16).save_pretrained(sft)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(tiny_dir, "sft"))
+    args = SimpleNamespace(lora_rank=4, lora_alpha=None, lora_target_modules=None, fsdp=False, rank=0,
+                           output_dir=str(tmp_path / "run"), save_merged=True, sft_model_path=str(sft))
+    policy = lora.add_adapter(AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32), args).eval()
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    core.save_policy(policy, tokenizer, args)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model_merged")
+    assert merged.config.dtype == torch.bfloat16 and next(merged.parameters()).dtype == torch.bfloat16
+    ids = torch.tensor([tokenizer("A post about a cat.").input_ids])
+    with torch.no_grad():
+        gap = (torch.log_softmax(policy(ids).logits, -1) - torch.log_softmax(merged.float()(ids).logits, -1)).abs()
+    assert gap.max() < 0.1, gap.max()
+
+
 def test_the_reference_is_the_base_with_the_adapter_off(tiny_dir):
     """A fresh adapter (B = 0) gives the SFT model's logits exactly; a trained one moves them, and with it off
     (the reference, lora.AdapterOff) they are the SFT model's again, bit for bit: no second copy of the weights.
