@@ -1,16 +1,20 @@
 """Agentic GRPO: fully_async_grpo.py's stream where an episode is several turns with a tool between them.
 
-The policy writes until it calls the tool (the call's closing mark, ">>", stops the turn), the environment answers
-(a calculator: " = 34\n"), the answer's token ids are appended to the episode's, and the policy goes on, until it
-answers (EOS) or --max_turns. Token in, token out: an episode is the sampled ids and the tool's ids, never decoded
-and encoded again between turns; the tool's ids are masked from the loss (no policy sampled them). The stream is
-fully_async_grpo.py's: bounded staleness, k + 1 weight slots, in-flight loads, every token tagged with its version.
+The policy writes a turn; its calls, read by vLLM's tool parser in the model's own format (--tool_parser: Hermes
+<tool_call> JSON in a chat template; the tiny world's "<<23 + 11>>"), run in threads while the engine steps the
+other episodes; the environment's replies (the chat template's tool turns; the tiny world's " = 34\n") are appended
+to the episode as ids of their own, and the policy goes on, until a turn makes no call (it answered) or
+--max_turns. Token in, token out: an episode is the sampled ids and the tools' ids, never decoded and encoded again
+between turns; the tools' ids are masked from the loss (no policy sampled them). What an episode talks to is one
+function, `start_episode`: its tools (typed Python functions), and, optionally, when it is done and its score.
+The stream is fully_async_grpo.py's: bounded staleness, k + 1 weight slots, in-flight loads, every token tagged with
+its version.
   Generator (`generator_main`): admit a group (K episodes of one prompt) while the bound allows; start each
-    episode's next turn as a request of its own (prompt + the episode so far, as token ids) once its tool has
-    answered (--tool_latency: the engine steps the other episodes meanwhile); one engine step; a turn that ends in a
-    call goes to the tool; a group leaves when its K episodes have ended. A new version loads between turns (no
-    turn mid-generation; --inflight_updates: between two engine steps; --episode_atomic: only between episodes), so
-    one episode's turns may be sampled by different versions.
+    episode's next turn as a request of its own (prompt + the episode so far, as token ids) once its calls have
+    answered (the engine steps the other episodes meanwhile); one engine step; a turn that ends in calls starts
+    them; a group leaves when its K episodes have ended. A new version loads between turns (no turn
+    mid-generation; --inflight_updates: between two engine steps; --episode_atomic: only between episodes), so one
+    episode's turns may be sampled by different versions.
   Learner, step v of the loop in `main()`:
     1. take B groups from the stream as they arrive;  2. grade the episodes (the verifier), group advantages;
     3. the proximal policy's log-probs;  4. --num_mini_batches clipped steps, each policy token weighted by its own
@@ -18,6 +22,7 @@ fully_async_grpo.py's: bounded staleness, k + 1 weight slots, in-flight loads, e
     6. log (staleness within and across episodes, turns, the tool);  7. evaluate (with the tool);  8. checkpoint.
 k = 0 is synchronous and on-policy. CPU demo: `python agentic_grpo.py --model tiny`; docs/agentic.md.
 """
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -37,11 +42,16 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiny_world
-from plumbing import checkpoint, core, generator_io, launch, lora, metrics, transport
+from plumbing import chat as plumbing_chat
+from plumbing import checkpoint, core, generator_io, launch, lora, metrics, tools, transport
 
-# --model: (SFT policy, dataset, the prompt format the policy was trained on; {question}: the problem)
-PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k",
-                      "[MATH_TASK] Problem:\n{question}\n\nSolution:")}
+# --model: (SFT policy, dataset, the prompt format the policy was trained on ({question}: the problem; chat: in its
+# chat template), where its answer is, its tool parser)
+PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k", "[MATH_TASK] Problem:\n{question}\n\nSolution:",
+                      "####", "calculator"),
+           "qwen2.5-1.5b-instruct": ("Qwen/Qwen2.5-1.5B-Instruct", "openai/gsm8k", "chat:{question}\nUse the "
+                                     "calculator for arithmetic. Put your final answer within \\boxed{}.", "boxed",
+                                     "hermes")}
 # `--model tiny` swaps in defaults that train the shipped tool world's policy on 2 CPU cores in minutes.
 TINY_DEFAULTS = dict(
     lag_every=1, learning_rate=1e-4, temperature=1.0, response_length=128, max_prompt_length=192,
@@ -91,20 +101,32 @@ class Args:
     rho-1b run's every version is ~550 GB; the tokens of a version not kept are not audited)"""
 
     # Models and data
-    model: Literal["tiny", "rho-1b"] = "rho-1b"
-    """preset naming the SFT policy and dataset; `tiny`: the chains world with a calculator, shipped in worlds/
-    (a hub policy must have learned the call syntax, "<<23 + 11>>", with the tool's answers: docs/agentic.md)"""
+    model: Literal["tiny", "rho-1b", "qwen2.5-1.5b-instruct"] = "rho-1b"
+    """preset naming the policy, dataset, prompt format, answer format and tool parser; `tiny`: a tool world
+    shipped in worlds/ (--tiny_dir: the calculator's own syntax, or chat-tools-v1: calls as <tool_call> JSON)"""
     sft_model_path: Optional[str] = None
     """SFT policy (hub name or local folder) to train (default: the preset's)"""
     dataset: Optional[str] = None
-    """problems with `question`, `answer` columns, `train`, `test` splits (hub or folder; default: the preset's)"""
+    """problems with a question (or `messages`) and an answer column, `train` and `test` splits (hub or folder;
+    default: the preset's)"""
     dataset_config: Optional[str] = None
     """the dataset's configuration on the hub (`main` for openai/gsm8k)"""
+    question_column: str = "question"
+    """the dataset's column with the problem (a `messages` column, a chat, takes its place when there is one)"""
+    answer_column: str = "answer"
+    """the dataset's column with the reference answer (its number after "####" if it has one, else its last)"""
+    answer_format: Optional[Literal["####", "boxed", "last_number"]] = None
+    """where the policy's final answer is: after "####" (GSM8k's), in the last \\boxed{}, or its last number
+    (default: the preset's, or the tiny world's ####)"""
     prompt_format: Optional[str] = None
-    """the prompt around each problem, `{question}` where it goes (default: the preset's, or the tiny world's): the
-    format the SFT policy was trained on"""
+    """the prompt around each problem, `{question}` where it goes; `chat:` first, the user's turn in the policy's
+    chat template, the tools' schemas rendered in it and the generation prompt added (`chat` alone: `chat:{question}`;
+    a `messages` dataset: its turns; default: the preset's, or the tiny world's)"""
+    tool_parser: Optional[str] = None
+    """vLLM's parser for the policy's calls (the name `vllm serve --tool-call-parser` takes: hermes for Qwen2.5,
+    llama3_json for Llama 3.1, ...; `calculator`: the tiny world's "<<23 + 11>>"; default: the preset's)"""
     tiny_dir: str = tiny_world.SHIPPED["tools"]
-    """the tool world `--model tiny` runs on: the one in worlds/ (tiny_world.py builds others)"""
+    """the tool world `--model tiny` runs on: one in worlds/ (tiny_world.py builds others)"""
 
     # The episode: turns, the tool, and what may change between turns
     max_turns: int = 8
@@ -115,6 +137,12 @@ class Args:
     """seconds each tool call takes (mean), during which the engine steps the other episodes"""
     tool_latency_distribution: Literal["fixed", "lognormal"] = "fixed"
     """`fixed`: every call takes --tool_latency; `lognormal`: a long tail (sigma 1) with that mean"""
+    tool_timeout: float = 30.0
+    """seconds a call may take: after that the policy reads an error and the episode goes on (calls run in
+    threads, the engine stepping the other episodes meanwhile)"""
+    max_tool_output_tokens: int = 256
+    """a tool's output is cut to this many tokens, the cut said in it (the episode's tokens, the tools' replies
+    included, end at --response_length: the episode then ends unanswered)"""
     episode_atomic: bool = False
     """load a new version only between episodes, so that no episode spans two versions (the experiment's control,
     docs/agentic.md; by default a version loads between any two turns)"""
@@ -277,6 +305,8 @@ def resolve_args(args: Args) -> Args:
         (args.max_turns < 1, f"--max_turns must be at least 1, got {args.max_turns}"),
         (not 0 <= args.tool_error_rate <= 1, f"--tool_error_rate is a share, 0 to 1, got {args.tool_error_rate}"),
         (args.tool_latency < 0, f"--tool_latency must not be negative, got {args.tool_latency}"),
+        (args.tool_timeout <= 0 or args.max_tool_output_tokens < 1,
+         "--tool_timeout and --max_tool_output_tokens must be positive"),
         (args.episode_atomic and args.inflight_updates, "--episode_atomic loads only between episodes, "
          "--inflight_updates within a turn: choose one"),
         (args.behaviour_version == "first_turn" and (args.world_size > 1 or args.lora_rank or args.proximal !=
@@ -317,11 +347,15 @@ def resolve_args(args: Args) -> Args:
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
     if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
         sft, data, args.world_hash = tiny_world.math_world(args.tiny_dir, "tools")
-        prompt_format = tiny_world.MATH_PROMPT  # (what the world's policy was trained on)
+        preset = (sft, data, *tiny_world.tool_world_format(args.tiny_dir))  # (what its policy was trained on)
     else:
-        sft, data, prompt_format = PRESETS[args.model]
-    args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
+        preset = PRESETS[args.model]
+    _, _, prompt_format, answer_format, tool_parser = preset
+    args.sft_model_path, args.dataset = args.sft_model_path or preset[0], args.dataset or preset[1]
     args.prompt_format = args.prompt_format or prompt_format
+    args.answer_format, args.tool_parser = args.answer_format or answer_format, args.tool_parser or tool_parser
+    if args.prompt_format == "chat":
+        args.prompt_format = "chat:{question}"
     if "{question}" not in args.prompt_format:
         core.fail(f"--prompt_format {args.prompt_format!r} has no {{question}} for the problem")
     args.dataset_config = args.dataset_config or {"openai/gsm8k": "main"}.get(args.dataset)
@@ -330,7 +364,7 @@ def resolve_args(args: Args) -> Args:
 
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     core.check_model_paths(args, "sft_model_path")
-    train_data, test_data = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"),
+    train_data, test_data = core.load_prompt_splits(args.dataset, args.seed, (args.answer_column,),
                                                     ("train", "test"), args.dataset_config)
     # Placement: on each of the first --generator_nodes nodes, G vLLM engines own GPUs 0 .. G - 1 and the node's
     # learner i takes GPU G + i (GPU i on the other nodes), or, one engine on one node with no GPU spare per
@@ -349,8 +383,12 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     tokenizer = core.load_tokenizer(args.sft_model_path)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
-    run = core.Run(device, autocast, *core.special_ids(tokenizer))  # the facts every step uses
-    tool = tool_settings(tokenizer, args)  # the environment the engines run: the call's end as a token id, the tool
+    chat = args.prompt_format.startswith("chat:")  # (a turn then ends at the template's end of turn)
+    run = core.Run(device, autocast, *core.special_ids(tokenizer, chat))  # the facts every step uses
+    # The environment's tools (every episode's are the same: their schemas go in the prompts) and how a turn ends and
+    # is answered, checked now against the policy's tokenizer, chat template and --tool_parser
+    tool_schemas = tools.schemas(start_episode(train_data[0])["tools"])
+    tool = tool_settings(tokenizer, tool_schemas, run.eos_id, args)
 
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
@@ -384,12 +422,12 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
     # The prompt order: a fresh shuffle of the training prompts for each pass over them, for as many groups as
     # the run can admit (discarded groups use prompts up too)
-    train_prompts = tokenize_prompts(tokenizer, train_data["question"], args)
-    train_answers = train_data["answer"]  # the reference solutions, ending in "#### <answer>"
+    train_prompts = tokenize_prompts(tokenizer, train_data, tool_schemas, args)
+    train_answers = train_data[args.answer_column]  # the reference solutions (GSM8k's end in "#### <answer>")
     most_groups = (args.num_steps + args.max_staleness + 2) * args.groups_per_step * 4
     passes = -(-most_groups // len(train_prompts))
     prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])[:most_groups]
-    eval_set = evaluation_set(test_data, tokenizer, args)
+    eval_set = evaluation_set(test_data, tokenizer, tool_schemas, args)
     # ASYNC: k + 1 weight slots on each generator node (rank 0's, copied to the others' over torch.distributed):
     # the learner never overwrites a version an engine may still be loading
     leaders = transport.leaders_group(hosts_engines, args)  # (None: one generator node)
@@ -398,6 +436,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         transport.submit([engine], dict(kind="start", weight_slots=weight_slots,
                                         adapter_config=lora.adapter_config(policy),  # (LoRA: its settings)
                                         prompts=[train_prompts[i] for i in prompt_order],
+                                        problems=train_data.to_list(), order=prompt_order.tolist(),
                                         engine=engine.engine, record=record_address, tool=tool))
     for _ in range(0 if shares_gpu0 else args.num_engines):
         transport.collect(engines, args)  # "ready": the engines were built while we loaded our model
@@ -426,7 +465,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                 json.dump(lora.adapter_config(policy), f)
     transport.share_slots(weight_slots, leaders)  # (the other generator nodes': resumed, or version 0, as rank 0's)
     ledger = dict(arrived={}, next_place=0, taken=next_group, below=below, beyond=set(beyond), accepted=0,
-                  discarded=0, learner_idle=0.0, engines={}, reports={})  # (taken: how many; below, beyond: which)
+                  discarded=0, learner_idle=0.0, engines={}, reports={},  # (taken: how many; below, beyond: which)
+                  calls_seen=[0, 0, 0])  # (episodes, calls tried, calls not read: say_if_no_calls)
     progress = cleanup.enter_context(tqdm(total=args.num_steps, initial=version, desc=args.exp_name,
                                           disable=args.rank != 0, dynamic_ncols=True))
 
@@ -437,7 +477,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # meanwhile kept for the step; whole: every test prompt, as the final evaluation's (final: and saved)
         transport.submit(engines[:1] if args.rank == 0 else [], dict(  # (engine 0 evaluates, the others stream)
             kind="eval", final=final, prompts=eval_set["prompts"] if final or whole else
-            eval_set["prompts"][: eval_set["num_prompts"]], max_tokens=args.eval_response_length,
+            eval_set["prompts"][: eval_set["num_prompts"]], problems=eval_set["problems"],
+            max_tokens=args.eval_response_length,
             temperature=args.eval_temperature, seed=core.sampling_seed(args.seed, "eval", version)))
         while (message := transport.collect(engines, args))["kind"] != "eval":
             arrive(message, ledger)
@@ -521,6 +562,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                        "time/weight_sync": time.time() - sync_start, "time/adoption_wait": adoption_wait,
                        "time/learner_wait": took, "time/elapsed": time.time() - training_start})
         metrics.log(record, metrics_file, args.track)
+        say_if_no_calls(batch, ledger, tool, version, args)
         progress.update(1)
         progress.set_postfix(accuracy=f"{stats['reward/accuracy']:.3f}", staleness=f"{record['staleness/mean']:.1f}")
 
@@ -617,6 +659,22 @@ def len_slots(args: Args) -> int:
     return args.max_staleness + 1
 
 
+def say_if_no_calls(batch: list, ledger: dict, tool: dict, version: int, args: Args) -> None:
+    """Says once, after the third step, when the policy has called no tool, or when none of its calls could be read:
+    a policy that has not learned the format --tool_parser reads trains with no tool, silently otherwise."""
+    seen = ledger["calls_seen"]
+    seen[:] = [seen[0] + sum(len(g["calls"]) for g in batch), seen[1] + sum(sum(g["calls"]) for g in batch),
+               seen[2] + sum(sum(g["parse_failures"]) for g in batch)]
+    episodes, tried, unread = seen
+    if version != min(3, args.num_steps) or args.rank != 0 or (tried and unread < tried):
+        return
+    example = tool["turn_format"]["example"]
+    tqdm.write(f"warning: the policy called no tool in its first {episodes} episodes" if not tried else
+               f"warning: none of the policy's {tried} calls in its first {episodes} episodes could be read")
+    tqdm.write(f"  --tool_parser {args.tool_parser} reads calls written like {example!r} (with --prompt_format chat, "
+               "the tools' schemas are in the prompt): a policy that does not write them trains without the tool")
+
+
 def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, args: Args) -> dict:
     """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
     (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
@@ -670,13 +728,16 @@ def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, args:
 def episode_stats(batch: list, ledger: dict) -> dict:
     """What a user must see of the episodes: their turns (p50, p90, p99), the versions that sampled each one and
     its within-episode staleness (newest minus oldest token version; the learner's minus the oldest is
-    staleness/max, as for a group), its histogram, the tool's calls, seconds and errors (malformed calls, wrong on
-    purpose), how much of the tools' time the engine spent sampling other episodes (its overlap), and the engine's
-    occupancy (turns a step advances, the mean over engine steps since training began and over engines)."""
+    staleness/max, as for a group), its histogram, the tools' calls (those it could not read included), seconds and
+    errors (calls it could not read: parse_failures; unknown tools, bad arguments, raising tools and timeouts:
+    errors; the two together: malformed; wrong on purpose), how much of the tools' time the engine spent sampling
+    other episodes (its overlap), and the engine's occupancy (turns a step advances, the mean over engine steps
+    since training began and over engines)."""
     turns = sorted(t for g in batch for t in g["turns"])
     within = [s for g in batch for s in g["within_episode"]]
     versions = [n for g in batch for n in g["episode_versions"]]
     calls = sum(sum(g["calls"]) for g in batch)
+    failures, errors = (sum(sum(g[key]) for g in batch) for key in ("parse_failures", "errors"))
     pending = sum(e["tool_pending"] for e in ledger["engines"].values())  # (each engine's since training began)
 
     def quantile(q: float) -> float:
@@ -689,8 +750,8 @@ def episode_stats(batch: list, ledger: dict) -> dict:
             "staleness/within_episode_mean": sum(within) / len(within), "staleness/within_episode_max": max(within),
             "staleness/within_episode_histogram": {str(s): within.count(s) for s in sorted(set(within))},
             "tools/calls": calls, "tools/seconds_mean": sum(t for g in batch for t in g["tool_seconds"])
-            / max(calls, 1), "tools/malformed": sum(sum(g["malformed"]) for g in batch),
-            "tools/wrong": sum(sum(g["wrong"]) for g in batch),
+            / max(calls, 1), "tools/malformed": failures + errors, "tools/parse_failures": failures,
+            "tools/errors": errors, "tools/wrong": sum(sum(g["wrong"]) for g in batch),
             "tools/overlap_fraction": sum(e["tool_overlap"] for e in ledger["engines"].values()) / pending
             if pending else 0.0,
             "generator/turns_per_step": sum(e["turns_per_step"] for e in ledger["engines"].values())
@@ -701,14 +762,16 @@ def episode_stats(batch: list, ledger: dict) -> dict:
 def record_groups(batch: list, prompts: list, fate: str, args: Args) -> None:
     """The step's groups, a line each in {output_dir}/rollouts.jsonl: the prompt's and episodes' tokens (the tool's
     included), the sampler's per-token log-probs (the tool's: 0), each episode's (version, first token, end) spans
-    (the tool's: version -1), its turns and whether it answered, the oldest token's version, the sampling
+    (the tool's: version -1), its turns, whether it answered and the environment's score (None: it has none), the
+    oldest token's version, the sampling
     temperature, the engine, and its fate: trained, discarded (too stale), or in flight at the end."""
     if args.rank == 0:
         with open(os.path.join(args.output_dir, "rollouts.jsonl"), "a") as f:
             for group, prompt in zip(batch, prompts):
                 f.write(json.dumps(dict(index=group["index"], prompt=prompt, responses=group["responses"],
                                         logprobs=group["logprobs"], spans=group["spans"], turns=group["turns"],
-                                        ended=group["ended"], version=group["version"], engine=group["engine"],
+                                        ended=group["ended"], scores=group["scores"], version=group["version"],
+                                        engine=group["engine"],
                                         fate=fate, temperature=args.temperature)) + "\n")
 
 
@@ -735,35 +798,47 @@ def record_version(weight_slots: Optional[torch.Tensor], table: list, version: i
         torch.save(weights, os.path.join(folder, f"{version}.pt"))
 
 
-def tool_settings(tokenizer, args: Args) -> dict:
-    """The environment the engines run: the call's closing mark as one token id (a turn stops there), --max_turns,
-    the tool's error rate and latency, and the seed of both."""
-    end_call = tokenizer.encode(tiny_world.END_CALL, add_special_tokens=False)
-    if len(end_call) != 1:
-        core.fail(f"--sft_model_path {args.sft_model_path}: its tokenizer splits the call's closing mark "
-                  f"{tiny_world.END_CALL!r} into {len(end_call)} tokens, and a turn stops at one token id (add it as "
-                  "a special token and fine-tune the policy on calls: docs/agentic.md)")
-    return dict(end_call_id=end_call[0], max_turns=args.max_turns, error_rate=args.tool_error_rate,
+def tool_settings(tokenizer, tool_schemas: list, end_of_turn: int, args: Args) -> dict:
+    """What the engines' episodes need of the environment: how a turn ends and how its calls are read and answered
+    (plumbing.tools.turn_format, checked now: a policy whose tokenizer, chat template and --tool_parser disagree
+    is refused), --max_turns, the calls' timeout and output cap, the tool's error rate and latency and their seed."""
+    turn_format = tools.turn_format(tokenizer, args.tool_parser, tool_schemas, args.prompt_format.startswith("chat:"),
+                                    end_of_turn, args.sft_model_path)
+    return dict(turn_format=turn_format, max_turns=args.max_turns, timeout=args.tool_timeout,
+                max_output_tokens=args.max_tool_output_tokens, error_rate=args.tool_error_rate,
                 latency=args.tool_latency, latency_distribution=args.tool_latency_distribution, seed=args.seed)
 
 
 # --- The reward, a verifier (to train on your own, replace `training_reward`) ------------------------------------
-def extract_answer(text: str) -> Optional[float]:
-    """The number after the first "####" (GSM8k's answer format), as a number. None when there is none."""
-    match = re.search(r"####\s*\$?\s*(-?[\d,]*\.?\d+)", text)
-    return float(match.group(1).replace(",", "")) if match else None
+def extract_answer(text: str, answer_format: str) -> Optional[float]:
+    """The final answer as a number: after the first "####" (GSM8k's format), in the last \\boxed{}, or the last
+    number in the text. None when there is none."""
+    number = r"(-?[\d,]*\.?\d+)"
+    if answer_format == "####":
+        found = re.findall(r"####\s*\$?\s*" + number, text)[:1]
+    elif answer_format == "boxed":
+        found = re.findall(r"\\boxed\{\s*\$?\s*" + number, text)[-1:]
+    elif answer_format == "last_number":
+        found = re.findall(number, text)[-1:]
+    else:
+        raise ValueError(f"unknown --answer_format {answer_format}")
+    return float(found[0].replace(",", "")) if found else None
 
 
-def correctness(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
-    """The verifiable reward: 1 where the final answer equals the reference's (as numbers), else 0."""
-    predicted = [extract_answer(text) for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
-    return torch.tensor([float(p is not None and p == extract_answer(a)) for p, a in zip(predicted, answers)])
+def correctness(tokenizer, responses: list[list[int]], answers: list[str], args: Args) -> torch.Tensor:
+    """The verifiable reward: 1 where the final answer (--answer_format) equals the reference's (its number after
+    "####" if it has one, else its last), as numbers, else 0."""
+    predicted = [extract_answer(text, args.answer_format)
+                 for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
+    references = [extract_answer(a, "####" if "####" in a else "last_number") for a in map(str, answers)]
+    return torch.tensor([float(p is not None and p == r) for p, r in zip(predicted, references)])
 
 
-def training_reward(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
-    """Each completion's training reward: the verifier's grade. The evaluation's pass@1 calls `correctness`
-    itself: replacing this function leaves it as it is."""
-    return correctness(tokenizer, responses, answers)
+def training_reward(tokenizer, responses: list[list[int]], answers: list[str], args: Args) -> torch.Tensor:
+    """Each completion's training reward: the verifier's grade (an environment that scores its episodes replaces
+    it: start_episode). The evaluation's pass@1 calls `correctness` itself: replacing this function leaves it as
+    it is."""
+    return correctness(tokenizer, responses, answers, args)
 
 
 # --- GRPO: the rollout, the group-relative advantages, the loss and the update -------------------------------------
@@ -774,11 +849,11 @@ def make_rollout(batch: list, prompt_order, train_prompts: list, train_answers: 
     per-token log-probs (mu), the mask of the policy's tokens (the tool's answers are not the policy's: 0), and the
     versions of its oldest token (the staleness) and of its first turn (--behaviour_version first_turn)."""
     mine = batch[args.rank:: args.world_size]
-    prompts, responses, logprobs, answers, versions, first, mask_rows, ended = [], [], [], [], [], [], [], []
+    prompts, responses, logprobs, answers, versions, first, mask_rows, ended, scores = ([] for _ in range(9))
     for group in mine:
         index = prompt_order[group["index"] % len(prompt_order)]
-        for response, logprob, spans, has_eos in zip(group["responses"], group["logprobs"], group["spans"],
-                                                      group["ended"]):
+        for response, logprob, spans, has_eos, score in zip(group["responses"], group["logprobs"], group["spans"],
+                                                             group["ended"], group["scores"]):
             token_versions = versions_of(spans)
             prompts.append(train_prompts[index])
             answers.append(train_answers[index])
@@ -788,10 +863,13 @@ def make_rollout(batch: list, prompt_order, train_prompts: list, train_answers: 
             versions.append(min((v for v in token_versions if v >= 0), default=group["version"]))
             first.append(token_versions[0] if token_versions else group["version"])
             ended.append(has_eos)
+            scores.append(score)
+    rewards = training_reward(tokenizer, responses, answers, args)  # ALGO: (the environment's score, where it has one)
+    rewards = torch.tensor([r if score is None else float(score) for r, score in zip(rewards.tolist(), scores)])
     width = max(map(len, responses))
     mask = torch.tensor([row + [0.0] * (width - len(row)) for row in mask_rows])
     behaviour = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logprobs]) * mask
-    return dict(prompts=prompts, responses=responses, rewards=training_reward(tokenizer, responses, answers),
+    return dict(prompts=prompts, responses=responses, rewards=rewards,
                 ended=torch.tensor(ended, dtype=torch.float), behaviour_logprobs=behaviour, response_mask=mask,
                 versions=torch.tensor(versions, dtype=torch.float), first_versions=torch.tensor(first))
 
@@ -931,21 +1009,24 @@ def grpo_update(learner, optimizer, scheduler, rollout: dict, args: Args, run: c
 
 
 # --- Tokens and log-probs ------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, questions: list[str], args: Args) -> list[list[int]]:
-    """Token ids per problem in --prompt_format (after BOS where the tokenizer adds one; long prompts keep
-    their end, where the format's cue, 'Solution:', sits)."""
-    return core.tokenize_prompts(tokenizer, [args.prompt_format.format(question=q) for q in questions],
-                                 args.max_prompt_length)
-
-
-def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
-    """Cut each completion after its first EOS (and at `length`); say which ones emitted EOS."""
-    cut, has_eos = [], []
-    for tokens in responses:
-        tokens = list(tokens[:length])
-        has_eos.append(eos_id in tokens)
-        cut.append(tokens[: tokens.index(eos_id) + 1] if has_eos[-1] else tokens)
-    return cut, has_eos
+def tokenize_prompts(tokenizer, problems, tool_schemas: list, args: Args) -> list[list[int]]:
+    """Token ids per problem: its question in --prompt_format, or (chat:) as the user's turn in the policy's chat
+    template, the tools' schemas rendered and the generation prompt added (a `messages` column: its turns). After
+    BOS where the tokenizer adds one; long prompts keep their end, where the cue or the assistant header sits."""
+    chat = args.prompt_format.startswith("chat:")
+    if "messages" in problems.column_names:
+        if not chat:
+            core.fail(f"--dataset {args.dataset} is a chat (a `messages` column): pass --prompt_format chat")
+        texts = plumbing_chat.chat_prompts(tokenizer, problems["messages"], args.sft_model_path, tool_schemas)
+    elif args.question_column not in problems.column_names:
+        core.fail(f"--dataset {args.dataset}: no --question_column {args.question_column!r} (nor `messages`); "
+                  f"found {problems.column_names}")
+    else:
+        texts = [args.prompt_format.removeprefix("chat:").format(question=q) for q in problems[args.question_column]]
+        if chat:
+            texts = plumbing_chat.chat_prompts(tokenizer, [[dict(role="user", content=t)] for t in texts],
+                                               args.sft_model_path, tool_schemas)
+    return core.tokenize_prompts(tokenizer, texts, args.max_prompt_length)
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> tuple:
@@ -1047,8 +1128,13 @@ class Stream:
     adapter_config: Optional[dict]  # LoRA's settings (None: full fine-tuning)
     engine: int  # this engine's number, e (its groups and its loaded version carry it)
     record: object  # the admission record every engine shares (a torch.distributed store)
-    tool: dict  # the call's marks as ids, --max_turns, the tool's error rate and latency
+    tool: dict  # how a turn ends and is answered, --max_turns, the calls' timeout, the tool's error rate and latency
     tokenizer: object  # the policy's (it reads a call's text; the tool's answer is encoded on its own)
+    problems: list  # the training problems' rows (an episode's environment starts with its problem's)
+    order: list  # the problems' order: group g's is problems[order[g]] (its prompt, prompts[g])
+    parser: object = None  # --tool_parser: vLLM's, reading a turn's calls from its text
+    pool: object = None  # the tools' threads (a call runs there while the engine steps the other episodes)
+    ready: list = field(default_factory=list)  # (group, episode): its next turn may start
     adapter: object = None  # LoRA: the loaded version's adapter, a LoRARequest (None: the base, version 0's exactly)
     go: Optional[dict] = None  # the learner's "go": the stream's settings (None: before training)
     loaded: int = 0  # the version in the engine (0: the SFT weights)
@@ -1058,7 +1144,7 @@ class Stream:
     taken_from_me: int = 0  # of them, the learner has taken (it says so with each version)
     running: dict = field(default_factory=dict)  # group -> its K episodes, the version admitted under, when
     turns: dict = field(default_factory=dict)  # request id of a turn in the engine -> (group, episode)
-    waiting: list = field(default_factory=list)  # (ready at, group, episode): its next turn, once the tool answers
+    waiting: list = field(default_factory=list)  # (group, episode): its next turn, once its calls have answered
     tool_rng: object = None  # the tool's latency and its wrong answers (seeded: --seed and the engine's number)
     tool_pending: float = 0.0  # seconds with a tool call pending, and of them, the engine stepping (overlap)
     tool_overlap: float = 0.0
@@ -1091,7 +1177,10 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                          gpu=torch.cuda.current_device() if torch.cuda.is_available() else None))  # (its device)
         start = requests.get()  # the weight slots, the prompts in the order groups take them, the record
         stream = Stream(start["weight_slots"], start["prompts"], start["adapter_config"], start["engine"],
-                        transport.connect_record(*start["record"]), start["tool"], llm.get_tokenizer())
+                        transport.connect_record(*start["record"]), start["tool"], llm.get_tokenizer(),
+                        start["problems"], start["order"])
+        stream.parser = tools.make_parser(stream.tool["turn_format"]["parser"], stream.tokenizer)
+        stream.pool = concurrent.futures.ThreadPoolExecutor(256)  # (threads start as calls need them)
         stream.tool_rng = random.Random(f"{start['tool']['seed']}/tool/{stream.engine}")  # (a str seed)
         stream.record.multi_set([f"loaded/{stream.engine}", f"idle/{stream.engine}"], ["0", "0"])  # (SFT weights)
         llm.llm_engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
@@ -1102,13 +1191,15 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                 results.put(evaluate_drained(llm, stream, stop_id))
                 continue
             admit_groups(stream)
+            take_replies(stream, results)
             start_turns(llm.llm_engine, stream, stop_id)
             start, stepping = time.time(), bool(stream.turns)
-            tool_pending = any(ready_at > start for ready_at, _, _ in stream.waiting)  # (a call under way)
+            tool_pending = bool(stream.waiting)  # (a call under way)
             if stepping:
                 step_and_send(llm.llm_engine, stream, results)
-            elif stream.waiting:  # every episode waits for its tool: wait for the first answer
-                time.sleep(min(max(min(w[0] for w in stream.waiting) - start, 0.0), 0.01))
+            elif stream.waiting:  # every episode waits for its tools: wait for the first answer
+                concurrent.futures.wait([call["future"] for group, i in stream.waiting for call in stream.running[
+                    group]["episodes"][i]["pending"] if call["future"]], timeout=0.01, return_when="FIRST_COMPLETED")
             if tool_pending:  # the tools' time, and how much of it the engine spent sampling the other episodes
                 stream.tool_pending += time.time() - start
                 stream.tool_overlap += (time.time() - start) * stepping
@@ -1257,48 +1348,56 @@ def release_group(stream: Stream, group: int, version: int) -> int:
 
 def admit_groups(stream: Stream) -> None:
     """ASYNC: admission control: a group (K episodes of one prompt) starts only while the bound allows (none while
-    an evaluation waits for the engine to drain); its episodes' first turns are ready at once."""
+    an evaluation waits for the engine to drain); each episode's environment starts with the group's problem, and
+    its first turn is ready at once."""
     while stream.eval_request is None and (group := claim_group(stream)) is not None:
-        episodes = [dict(ids=[], logprobs=[], spans=[], turns=0, calls=0, tool_seconds=0.0, malformed=0, wrong=0,
-                         done=False) for _ in range(stream.go["n"])]
+        problem = stream.problems[stream.order[group % len(stream.order)]]
+        episodes = [new_episode(problem) for _ in range(stream.go["n"])]
         stream.running[group] = dict(episodes=episodes, version=stream.loaded, admitted=time.time())
-        stream.waiting += [(0.0, group, i) for i in range(stream.go["n"])]
+        stream.ready += [(group, i) for i in range(stream.go["n"])]
+
+
+def new_episode(problem: dict) -> dict:
+    """An episode: its ids after the prompt (the policy's and the tools'; the turn under way's from `turn_from`), the
+    policy's log-probs, (version, first token, end) spans, counts, the calls under way, and its environment
+    (start_episode)."""
+    return dict(ids=[], turn_from=0, logprobs=[], spans=[], turns=0, pieces=0, calls=0, tool_seconds=0.0,
+                parse_failures=0, errors=0, wrong=0, done=False, ended=False, pending=[], env=start_episode(problem),
+                score=None)
 
 
 def start_turns(engine, stream: Stream, stop_id: int) -> None:
-    """ASYNC: each episode whose tool has answered starts its next turn, a request of its own: the prompt's ids and
-    the episode's so far (token in: nothing decoded and encoded again), sampled until EOS or the call's end, under
-    the version loaded now. None while a version waits to load between turns (the engine drains its turns)."""
+    """ASYNC: each episode whose calls have answered starts its next turn, a request of its own: the prompt's ids
+    and the episode's so far (token in: nothing decoded and encoded again), sampled until the end of turn or the
+    call's closing mark, under the version loaded now. None while a version waits to load between turns (the
+    engine drains its turns)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     if load_due(stream) and not stream.go["inflight_updates"] and not stream.go["episode_atomic"]:
         return
-    go, now, later = stream.go, time.time(), []
-    for ready_at, group, i in stream.waiting:
-        if ready_at > now:
-            later.append((ready_at, group, i))
-            continue
+    go = stream.go
+    for group, i in stream.ready:
         episode = stream.running[group]["episodes"][i]
         turn_id = (group * go["n"] + i) * stream.tool["max_turns"] + episode["turns"]  # (its seed's index)
+        request_id = str(turn_id) + f".{episode['pieces']}" * bool(episode["pieces"])  # (a turn's later piece)
         sampling = SamplingParams(n=1, temperature=go["temperature"], logprobs=0, detokenize=False,
                                   max_tokens=go["max_tokens"] - len(episode["ids"]),
-                                  stop_token_ids=[stop_id, stream.tool["end_call_id"]],
+                                  stop_token_ids=[stop_id, *stream.tool["turn_format"]["stop_ids"]],
                                   output_kind=RequestOutputKind.FINAL_ONLY,
-                                  seed=core.sampling_seed(go["seed"], "train", turn_id))
+                                  seed=core.sampling_seed(go["seed"], "train", turn_id + episode["pieces"] * 2**40))
         prompt = stream.prompts[group % len(stream.prompts)] + episode["ids"]
-        engine.add_request(str(turn_id), TokensPrompt(prompt_token_ids=prompt), sampling, lora_request=stream.adapter)
-        stream.turns[str(turn_id)] = (group, i)
-    stream.waiting = later
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), sampling, lora_request=stream.adapter)
+        stream.turns[request_id] = (group, i)
+    stream.ready = []
     mark_idle(stream, not stream.turns)
 
 
 def step_and_send(engine, stream: Stream, results) -> None:
-    """ASYNC: one engine step (every running turn advances a token). A turn that ended in a call goes to the tool
-    (its answer's ids are appended, and the next turn waits for them); an episode that answered (EOS), ran out of
-    turns or of tokens is done; a group whose K episodes are done leaves at once, each token labelled with the
-    version that sampled it (the tool's with -1) and the sampler's log-prob (the tool's 0)."""
+    """ASYNC: one engine step (every running turn advances a token). A turn that ended in calls starts them (the
+    next turn waits for their replies); an episode that answered, ran out of turns or of tokens is done; a group
+    whose K episodes are done leaves at once (send_if_done)."""
     mark_idle(stream, False)
     step_start = time.time()
     stream.steps, stream.turn_steps = stream.steps + 1, stream.turn_steps + len(stream.turns)
@@ -1310,70 +1409,155 @@ def step_and_send(engine, stream: Stream, results) -> None:
         if not output.finished:
             continue
         group, i = stream.turns.pop(output.request_id)
-        state = stream.running[group]
-        end_turn(stream, group, i, state["episodes"][i], output.outputs[0])
-        if not all(episode["done"] for episode in state["episodes"]):
-            continue
-        del stream.running[group]
-        place = release_group(stream, group, state["version"])
-        episodes = state["episodes"]
-        versions = [v for e in episodes for v, start, end in e["spans"] if v >= 0 and end > start]
-        results.put(dict(
-            kind="group", index=group, engine=stream.engine, place=place, admitted=state["admitted"],
-            finished=time.time(), version=min(versions, default=state["version"]),
-            spans=[e["spans"] for e in episodes], responses=[e["ids"] for e in episodes],
-            logprobs=[e["logprobs"] for e in episodes], ended=[e["ended"] for e in episodes],
-            turns=[e["turns"] for e in episodes], tool_seconds=[e["tool_seconds"] for e in episodes],
-            calls=[e["calls"] for e in episodes], malformed=[e["malformed"] for e in episodes],
-            wrong=[e["wrong"] for e in episodes],
-            loaded=stream.loaded, loads=stream.loads, reprefills=stream.reprefills,
-            tool_pending=stream.tool_pending, tool_overlap=stream.tool_overlap,
-            turns_per_step=stream.turn_steps / max(stream.steps, 1)))
-        stream.loads, stream.reprefills = [], []
+        episode, completion = stream.running[group]["episodes"][i], output.outputs[0]
+        ids, offset = list(completion.token_ids), len(episode["ids"])  # token out: the ids as sampled
+        episode["logprobs"] += [p[t].logprob for t, p in zip(ids, completion.logprobs)]
+        episode["spans"] += [(int(s.version), offset + s.start, offset + s.end) for s in completion.weight_versions]
+        if read_turn(stream, episode, ids, completion.finish_reason, go_on=True, max_tokens=stream.go["max_tokens"]):
+            (stream.waiting if episode["pending"] else stream.ready).append((group, i))
+        send_if_done(stream, group, results)
 
 
-def end_turn(stream: Stream, group: int, i: int, episode: dict, completion) -> None:
-    """A turn's sampled ids join its episode as they are (token out), with their log-probs and versions; a call
-    (the turn ends in the call's closing mark) is answered by the tool, its answer's ids appended after it (masked
-    from the loss: version -1), and the episode's next turn waits for the tool's latency."""
-    ids, offset = list(completion.token_ids), len(episode["ids"])
-    episode["ids"] += ids
-    episode["logprobs"] += [p[t].logprob for t, p in zip(ids, completion.logprobs)]
-    episode["spans"] += [(int(s.version), offset + s.start, offset + s.end) for s in completion.weight_versions]
-    episode["turns"] += 1
-    called = bool(ids) and ids[-1] == stream.tool["end_call_id"]
-    if not called or episode["turns"] >= stream.tool["max_turns"] or len(episode["ids"]) >= stream.go["max_tokens"]:
-        episode["done"], episode["ended"] = True, bool(ids) and ids[-1] != stream.tool["end_call_id"] and \
-            completion.finish_reason == "stop"
+def send_if_done(stream: Stream, group: int, results) -> None:
+    """ASYNC: a group whose K episodes are all done leaves at once: its place in the finishing order, every token
+    labelled with the version that sampled it (the tools' with -1), the sampler's log-probs (the tools' 0), the
+    episodes' counts and the environment's scores."""
+    state = stream.running[group]
+    if not all(episode["done"] for episode in state["episodes"]):
         return
-    # ASYNC: the environment's step. The engine goes on stepping the other episodes while it takes its time
-    answer, outcome = call_tool(stream.tokenizer, ids, stream.tool, stream.tool_rng)
-    answer = answer[: stream.go["max_tokens"] - len(episode["ids"])]  # (the episode's tokens, the tool's included)
-    episode["spans"].append((-1, len(episode["ids"]), len(episode["ids"]) + len(answer)))
-    episode["ids"] += answer
-    episode["logprobs"] += [0.0] * len(answer)
-    episode["calls"] += 1
-    episode["malformed"] += outcome == "malformed"
-    episode["wrong"] += outcome == "wrong"
-    latency = tool_latency(stream.tool, stream.tool_rng)
-    episode["tool_seconds"] += latency
-    if len(episode["ids"]) >= stream.go["max_tokens"]:
-        episode["done"], episode["ended"] = True, False
-        return
-    stream.waiting.append((time.time() + latency, group, i))
+    del stream.running[group]
+    place = release_group(stream, group, state["version"])
+    episodes = state["episodes"]
+    versions = [v for e in episodes for v, start, end in e["spans"] if v >= 0 and end > start]
+    each = {key: [e[key] for e in episodes] for key in ("spans", "logprobs", "ended", "turns", "tool_seconds",
+                                                        "calls", "parse_failures", "errors", "wrong")}
+    results.put(dict(
+        kind="group", index=group, engine=stream.engine, place=place, admitted=state["admitted"],
+        finished=time.time(), version=min(versions, default=state["version"]), responses=[e["ids"] for e in episodes],
+        **each, scores=[e["score"] for e in episodes], loaded=stream.loaded, loads=stream.loads,
+        reprefills=stream.reprefills, tool_pending=stream.tool_pending, tool_overlap=stream.tool_overlap,
+        turns_per_step=stream.turn_steps / max(stream.steps, 1)))
+    stream.loads, stream.reprefills = [], []
 
 
-# --- The environment: a calculator the policy calls ----------------------------------------------------------------
-def call_tool(tokenizer, turn: list[int], tool: dict, rng: random.Random) -> tuple[list[int], str]:
-    """The tool's answer to the call a turn ends with ("... <<23 + 11>>" -> " = 34\n"), as ids of its own (encoded
-    alone: never merged with the policy's), and what happened: "ok", "malformed" (no call it can compute: it
-    answers " = error\n", the episode goes on) or "wrong" (--tool_error_rate: off by 1 to 9 on purpose)."""
-    result, outcome = tiny_world.call_result(tokenizer.decode(turn)), "ok"
+# --- The environment: what an episode talks to (bring your own: replace `start_episode`) -------------------------
+def start_episode(problem: dict) -> dict:
+    """ENV: a new episode's environment, given its problem (the dataset's row). `tools`: the Python functions the
+    policy may call (type hints and a Google-style docstring: their JSON schemas go in the chat template's prompt;
+    every episode's must be the same tools); optional `done()`: True ends the episode after its calls' replies;
+    optional `score(text)`: the episode's reward (its text, the replies included; replaces the verifier, in
+    training and evaluation: 1 is solved). One per episode, in the generator's process: keep the episode's state
+    in it (the tools then are closures over it). The tiny world's: the calculator, no state."""
+    return dict(tools=[calculator])
+
+
+def calculator(expression: str) -> int:
+    """Computes a sum or a difference of two whole numbers.
+
+    Args:
+        expression: the sum or difference, as "23 + 11" or "40 - 7"
+    """
+    result = tiny_world.calculator(expression)
     if result is None:
-        outcome = "malformed"
-    elif rng.random() < tool["error_rate"]:
-        result, outcome = result + rng.choice([-1, 1]) * rng.randint(1, 9), "wrong"
-    return tokenizer.encode(tiny_world.tool_answer(result), add_special_tokens=False), outcome
+        raise ValueError(f"not a + b or a - b: {expression!r}")
+    return result
+
+
+def read_turn(stream: Stream, episode: dict, ids: list, finish_reason: str, go_on: bool, max_tokens: int) -> bool:
+    """A turn's ids join its episode as they are (token out). Its calls, read from its text by --tool_parser
+    (decoding only to parse), start in the tools' threads (start_call). True: the episode goes on (its calls
+    pending, or the turn itself when it stopped on a closing mark's last token that did not close a mark of
+    several). No call: it answered (ended). A call it cannot read gets an error for a reply (counted), as an
+    unknown tool, bad arguments, a raising tool or a timeout do: never a crash. The last turn or token ends it."""
+    episode["ids"] += ids
+    turn_format, text = stream.tool["turn_format"], stream.tokenizer.decode(episode["ids"][episode["turn_from"]:])
+    at_mark = bool(ids) and ids[-1] in turn_format["stop_ids"]
+    if at_mark and not text.endswith(turn_format["end_mark"]) and len(episode["ids"]) < max_tokens:
+        episode["pieces"] += 1
+        return True
+    episode["turns"], episode["pieces"] = episode["turns"] + 1, 0
+    calls, unreadable = tools.parse_calls(stream.parser, text) if at_mark or turn_format["chat"] else ([], False)
+    unreadable = unreadable or (at_mark and not calls)  # (stopped at a closing mark: it tried to call)
+    if not (calls or unreadable) or episode["turns"] >= stream.tool["max_turns"] or len(episode["ids"]) >= max_tokens:
+        finish_episode(stream, episode, not (calls or unreadable) and finish_reason == "stop")
+        return False
+    # ASYNC: the environment's step: the calls run in the tools' threads while the engine steps the other episodes
+    episode["pending"] = [start_call(stream, episode, *call, seeded=go_on) for call in calls]
+    if unreadable:
+        episode["pending"].append(dict(future=None, name=None, started=time.time(), offset=0, error=(
+            f"error: no call could be read; a call is written {turn_format['example']!r}")))
+    episode["calls"] += len(calls) + unreadable  # (every call it tried, those it could not read too)
+    episode["parse_failures"] += unreadable
+    return True
+
+
+def start_call(stream: Stream, episode: dict, name: str, arguments: Optional[dict], error: Optional[str],
+               seeded: bool) -> dict:
+    """ASYNC: a call starts in the tools' threads: the episode environment's tool of that name (an unknown name or
+    bad arguments: the error is its reply). `seeded` (training): --tool_latency's delay and --tool_error_rate's
+    wrong answer drawn from the engine's seeded generator, in the order calls start."""
+    function = {tool.__name__: tool for tool in episode["env"]["tools"]}.get(name)
+    rng, offset, latency = stream.tool_rng, 0, 0.0
+    if seeded:
+        if rng.random() < stream.tool["error_rate"]:  # (wrong on purpose, by 1 to 9, if the answer is a number)
+            offset = rng.choice([-1, 1]) * rng.randint(1, 9)
+        latency = tool_latency(stream.tool, rng)
+        episode["tool_seconds"] += latency
+    if error is None and function is None:
+        error = f"error: no tool named {name!r}"
+    future = None if error else stream.pool.submit(tools.run_call, function, arguments, latency)
+    return dict(future=future, name=name, error=error, started=time.time(), offset=offset)
+
+
+def take_replies(stream: Stream, results) -> None:
+    """ASYNC: the episodes whose calls have all answered (or timed out) get their replies (append_replies) and are
+    ready for their next turn, or done."""
+    still, now = [], time.time()
+    for group, i in stream.waiting:
+        episode = stream.running[group]["episodes"][i]
+        outputs = tools.call_outputs(episode["pending"], stream.tool["timeout"], now)
+        if outputs is None:
+            still.append((group, i))
+        elif append_replies(stream, episode, outputs, stream.go["max_tokens"]):
+            stream.ready.append((group, i))
+        else:
+            send_if_done(stream, group, results)
+    stream.waiting = still
+
+
+def append_replies(stream: Stream, episode: dict, outputs: list, max_tokens: int) -> bool:
+    """The replies to a turn's calls (each output cut to --max_tool_output_tokens; --tool_error_rate's wrong on
+    purpose) as ids of their own (plumbing.tools.reply_ids: the chat template's tool messages and the next
+    assistant header), appended after the turn and masked from the loss (version -1: no policy sampled them). True:
+    the episode's next turn may start; False: it is done (out of tokens, unanswered; or the environment's done())."""
+    replies = []
+    for call, (output, outcome) in zip(episode["pending"], outputs):
+        episode["errors"] += outcome != "ok" and call["name"] is not None  # (unreadable calls: counted apart)
+        if outcome == "ok" and call["offset"] and output.lstrip("-").isdigit():
+            output, episode["wrong"] = str(int(output) + call["offset"]), episode["wrong"] + 1
+        replies.append(tools.cap_output(stream.tokenizer, output, stream.tool["max_output_tokens"])
+                       if outcome == "ok" else output)  # (an error is the script's own message: whole)
+    if replies:
+        names = [call["name"] or "" for call in episode["pending"]]
+        answer = tools.reply_ids(stream.tokenizer, stream.tool["turn_format"], replies, names)
+        answer = answer[: max_tokens - len(episode["ids"])]  # (the episode's tokens, the tools' included)
+        episode["spans"].append((-1, len(episode["ids"]), len(episode["ids"]) + len(answer)))
+        episode["ids"] += answer
+        episode["logprobs"] += [0.0] * len(answer)
+    episode["pending"], episode["turn_from"] = [], len(episode["ids"])
+    if len(episode["ids"]) >= max_tokens:
+        finish_episode(stream, episode, False)
+    elif episode["env"].get("done") is not None and episode["env"]["done"]():
+        finish_episode(stream, episode, True)
+    return not episode["done"]
+
+
+def finish_episode(stream: Stream, episode: dict, ended: bool) -> None:
+    """An episode ends, answered (`ended`) or not; an environment that scores scores it now."""
+    episode["done"], episode["ended"] = True, ended
+    if episode["env"].get("score") is not None:
+        episode["score"] = float(episode["env"]["score"](stream.tokenizer.decode(episode["ids"],
+                                                                                  skip_special_tokens=True)))
 
 
 def tool_latency(tool: dict, rng: random.Random) -> float:
@@ -1432,33 +1616,35 @@ def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: in
 
 
 def evaluation(llm, stream: Stream, stop_id: int) -> dict:
-    """The test problems solved with the tool (its right answers, no latency) by the loaded version, sampled
-    near-greedily, one seed for all: a round of turns at a time, every unfinished episode's next turn in one batch."""
+    """The test problems solved through the same environment (the tools' right answers, no latency) by the loaded
+    version, sampled near-greedily, one seed for all: a round of turns at a time, every unfinished episode's next
+    turn in one batch, then their calls, run together."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     request, start = stream.eval_request, time.time()
-    prompts, tool = request["prompts"], dict(stream.tool, error_rate=0.0)
-    episodes, active = [[] for _ in prompts], list(range(len(prompts)))
-    for _ in range(tool["max_turns"]):
+    prompts, max_tokens = request["prompts"], request["max_tokens"]
+    episodes, active = [new_episode(problem) for problem in request["problems"][: len(prompts)]], range(len(prompts))
+    for _ in range(stream.tool["max_turns"]):
         sampling = [SamplingParams(n=1, temperature=request["temperature"], logprobs=0, detokenize=False,
-                                   max_tokens=request["max_tokens"] - len(episodes[i]), seed=request["seed"],
-                                   stop_token_ids=[stop_id, tool["end_call_id"]]) for i in active]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i] + episodes[i]) for i in active], sampling,
-                               lora_request=stream.adapter, use_tqdm=False)
-        calling = []
-        for i, output in zip(active, outputs):
-            turn = list(output.outputs[0].token_ids)
-            episodes[i] += turn
-            if turn and turn[-1] == tool["end_call_id"] and len(episodes[i]) < request["max_tokens"]:
-                episodes[i] += call_tool(stream.tokenizer, turn, tool, stream.tool_rng)[0]
-                calling += [i] if len(episodes[i]) < request["max_tokens"] else []
-        active = calling
+                                   max_tokens=max_tokens - len(episodes[i]["ids"]), seed=request["seed"],
+                                   stop_token_ids=[stop_id, *stream.tool["turn_format"]["stop_ids"]]) for i in active]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i] + episodes[i]["ids"]) for i in active],
+                               sampling, lora_request=stream.adapter, use_tqdm=False)
+        active = [i for i, output in zip(active, outputs) if read_turn(
+            stream, episodes[i], list(output.outputs[0].token_ids), output.outputs[0].finish_reason, go_on=False,
+            max_tokens=max_tokens)]
+        for i in active:
+            while (replies := tools.call_outputs(episodes[i]["pending"], stream.tool["timeout"], time.time())) is None:
+                time.sleep(0.001)
+            append_replies(stream, episodes[i], replies, max_tokens)
+        active = [i for i in active if not episodes[i]["done"]]
         if not active:
             break
     return dict(kind="eval", final=request["final"], generation_version=stream.loaded, requested=start,
                 weight_load_start=start, generation_start=start, generation_end=time.time(),
-                responses=[episode[: request["max_tokens"]] for episode in episodes])
+                responses=[e["ids"][:max_tokens] for e in episodes], ended=[e["ended"] for e in episodes],
+                scores=[e["score"] for e in episodes])
 
 
 def engine_kwargs(args: Args, config, use_cuda: bool) -> dict:
@@ -1497,20 +1683,23 @@ def open_admission(record, first_group: int, args: Args) -> None:
 
 
 # --- Evaluation: greedy pass@1 on the test problems ----------------------------------------------------------------
-def evaluation_set(test_data, tokenizer, args: Args) -> dict:
-    """The test problems (the first num_eval_prompts during training), this rank's share and its answers."""
+def evaluation_set(test_data, tokenizer, tool_schemas: list, args: Args) -> dict:
+    """The test problems (the first num_eval_prompts during training), their rows (for the environment), this
+    rank's share of the answers."""
     test_data = test_data.select(range(min(args.num_final_eval_prompts or len(test_data), len(test_data))))
-    prompts = tokenize_prompts(tokenizer, test_data["question"], args)
-    return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
-                my_answers=test_data["answer"][args.rank:: args.world_size])
+    prompts = tokenize_prompts(tokenizer, test_data, tool_schemas, args)
+    return dict(prompts=prompts, problems=test_data.to_list(), num_prompts=min(args.num_eval_prompts, len(prompts)),
+                my_answers=test_data[args.answer_column][args.rank:: args.world_size])
 
 
 def score_evaluation(message: dict, training_start: Optional[float], eval_set: dict, tokenizer, args: Args,
                      run: core.Run, metrics_file) -> None:
     """Grade an evaluation's answers on every rank (each its share), then print and log it."""
     start, responses = time.time(), message["responses"][args.rank:: args.world_size]
-    responses, has_eos = truncate_at_eos(responses, args.eval_response_length, run.eos_id)
-    correct = correctness(tokenizer, responses, eval_set["my_answers"][: len(responses)])
+    has_eos = message["ended"][args.rank:: args.world_size]  # (answered: a chat's every turn ends in end of turn)
+    correct = correctness(tokenizer, responses, eval_set["my_answers"][: len(responses)], args)
+    scores = message["scores"][args.rank:: args.world_size]  # (the environment's, where it scores: its grade)
+    correct = torch.tensor([c if score is None else float(score) for c, score in zip(correct.tolist(), scores)])
     lengths = sorted(map(len, responses))
     sums = core.reduce_sums({"correct": correct.sum().item(), "count": len(responses), "eos": sum(has_eos),
                              "tokens": sum(lengths)}, args.world_size)

@@ -38,11 +38,15 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiny_world
+from plumbing import chat as plumbing_chat
 from plumbing import checkpoint, core, generator_io, launch, lora, metrics, transport
 
-# --model: (SFT policy, dataset, the prompt format the policy was trained on; {question}: the problem)
-PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k",
-                      "[MATH_TASK] Problem:\n{question}\n\nSolution:")}
+# --model: (SFT policy, dataset, the prompt format the policy was trained on ({question}: the problem; chat: in its
+# chat template), where its answer is)
+PRESETS = {"rho-1b": ("realtreetune/rho-1b-sft-GSM8K", "openai/gsm8k", "[MATH_TASK] Problem:\n{question}\n\nSolution:",
+                      "####"),
+           "qwen2.5-1.5b-instruct": ("Qwen/Qwen2.5-1.5B-Instruct", "openai/gsm8k", "chat:{question}\nPlease reason "
+                                     "step by step, and put your final answer within \\boxed{}.", "boxed")}
 # `--model tiny` swaps in defaults that train the shipped chains world's policy on 2 CPU cores in minutes.
 TINY_DEFAULTS = dict(
     lag_every=1, learning_rate=1e-4, temperature=1.0, response_length=128, max_prompt_length=192,
@@ -92,17 +96,27 @@ class Args:
     rho-1b run's every version is ~550 GB; the tokens of a version not kept are not audited)"""
 
     # Models and data
-    model: Literal["tiny", "rho-1b"] = "rho-1b"
-    """preset naming the SFT policy and dataset; `tiny`: the long-tailed chains world shipped in worlds/"""
+    model: Literal["tiny", "rho-1b", "qwen2.5-1.5b-instruct"] = "rho-1b"
+    """preset naming the policy, dataset, prompt format and answer format; `tiny`: the long-tailed chains world
+    shipped in worlds/"""
     sft_model_path: Optional[str] = None
     """SFT policy (hub name or local folder) to train (default: the preset's)"""
     dataset: Optional[str] = None
-    """problems with `question`, `answer` columns, `train`, `test` splits (hub or folder; default: the preset's)"""
+    """problems with a question (or `messages`) and an answer column, `train` and `test` splits (hub or folder;
+    default: the preset's)"""
     dataset_config: Optional[str] = None
     """the dataset's configuration on the hub (`main` for openai/gsm8k)"""
+    question_column: str = "question"
+    """the dataset's column with the problem (a `messages` column, a chat, takes its place when there is one)"""
+    answer_column: str = "answer"
+    """the dataset's column with the reference answer (its number after "####" if it has one, else its last)"""
+    answer_format: Optional[Literal["####", "boxed", "last_number"]] = None
+    """where the policy's final answer is: after "####" (GSM8k's), in the last \\boxed{}, or its last number
+    (default: the preset's, or the tiny world's ####)"""
     prompt_format: Optional[str] = None
-    """the prompt around each problem, `{question}` where it goes (default: the preset's, or the tiny world's): the
-    format the SFT policy was trained on"""
+    """the prompt around each problem, `{question}` where it goes; `chat:` first, the user's turn in the policy's
+    chat template, the generation prompt added (`chat` alone: `chat:{question}`; a `messages` dataset: its turns;
+    default: the preset's, or the tiny world's)"""
     tiny_dir: str = tiny_world.SHIPPED["chains"]
     """the chains world `--model tiny` runs on: the one in worlds/ (tiny_world.py builds others)"""
 
@@ -290,11 +304,13 @@ def resolve_args(args: Args) -> Args:
         core.fail(f"--model {args.model}: no preset of that name (PRESETS has {sorted(PRESETS)})")
     if args.model == "tiny":  # the shipped world (or --tiny_dir's), each file checked against its SHA256SUMS
         sft, data, args.world_hash = tiny_world.math_world(args.tiny_dir, "chains")
-        prompt_format = tiny_world.MATH_PROMPT  # (what the world's policy was trained on)
+        preset = (sft, data, tiny_world.MATH_PROMPT, "####")  # (what the world's policy was trained on)
     else:
-        sft, data, prompt_format = PRESETS[args.model]
-    args.sft_model_path, args.dataset = args.sft_model_path or sft, args.dataset or data
-    args.prompt_format = args.prompt_format or prompt_format
+        preset = PRESETS[args.model]
+    args.sft_model_path, args.dataset = args.sft_model_path or preset[0], args.dataset or preset[1]
+    args.prompt_format, args.answer_format = args.prompt_format or preset[2], args.answer_format or preset[3]
+    if args.prompt_format == "chat":
+        args.prompt_format = "chat:{question}"
     if "{question}" not in args.prompt_format:
         core.fail(f"--prompt_format {args.prompt_format!r} has no {{question}} for the problem")
     args.dataset_config = args.dataset_config or {"openai/gsm8k": "main"}.get(args.dataset)
@@ -303,7 +319,7 @@ def resolve_args(args: Args) -> Args:
 
 def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     core.check_model_paths(args, "sft_model_path")
-    train_data, test_data = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"),
+    train_data, test_data = core.load_prompt_splits(args.dataset, args.seed, (args.answer_column,),
                                                     ("train", "test"), args.dataset_config)
     # Placement: on each of the first --generator_nodes nodes, G vLLM engines own GPUs 0 .. G - 1 and the node's
     # learner i takes GPU G + i (GPU i on the other nodes), or, one engine on one node with no GPU spare per
@@ -322,7 +338,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
     use_cuda, dtype = device.type == "cuda", getattr(torch, args.dtype)
     tokenizer = core.load_tokenizer(args.sft_model_path)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=use_cuda and dtype != torch.float32)
-    run = core.Run(device, autocast, *core.special_ids(tokenizer))  # the facts every step uses
+    chat = args.prompt_format.startswith("chat:")  # (a completion then ends at the template's end of turn)
+    run = core.Run(device, autocast, *core.special_ids(tokenizer, chat))  # the facts every step uses
 
     # The generator (rank 0) starts first: sharing GPU 0, vLLM must measure the free memory first
     config = AutoConfig.from_pretrained(args.sft_model_path)
@@ -354,8 +371,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
     # The prompt order: a fresh shuffle of the training prompts for each pass over them, for as many groups as
     # the run can admit (discarded groups use prompts up too)
-    train_prompts = tokenize_prompts(tokenizer, train_data["question"], args)
-    train_answers = train_data["answer"]  # the reference solutions, ending in "#### <answer>"
+    train_prompts = tokenize_prompts(tokenizer, train_data, args)
+    train_answers = train_data[args.answer_column]  # the reference solutions (GSM8k's end in "#### <answer>")
     most_groups = (args.num_steps + args.max_staleness + 2) * args.groups_per_step * 4
     passes = -(-most_groups // len(train_prompts))
     prompt_order = np.concatenate([np.random.permutation(len(train_prompts)) for _ in range(passes)])[:most_groups]
@@ -667,22 +684,34 @@ def record_version(weight_slots: Optional[torch.Tensor], table: list, version: i
 
 
 # --- The reward, a verifier (to train on your own, replace `training_reward`) ------------------------------------
-def extract_answer(text: str) -> Optional[float]:
-    """The number after the first "####" (GSM8k's answer format), as a number. None when there is none."""
-    match = re.search(r"####\s*\$?\s*(-?[\d,]*\.?\d+)", text)
-    return float(match.group(1).replace(",", "")) if match else None
+def extract_answer(text: str, answer_format: str) -> Optional[float]:
+    """The final answer as a number: after the first "####" (GSM8k's format), in the last \\boxed{}, or the last
+    number in the text. None when there is none."""
+    number = r"(-?[\d,]*\.?\d+)"
+    if answer_format == "####":
+        found = re.findall(r"####\s*\$?\s*" + number, text)[:1]
+    elif answer_format == "boxed":
+        found = re.findall(r"\\boxed\{\s*\$?\s*" + number, text)[-1:]
+    elif answer_format == "last_number":
+        found = re.findall(number, text)[-1:]
+    else:
+        raise ValueError(f"unknown --answer_format {answer_format}")
+    return float(found[0].replace(",", "")) if found else None
 
 
-def correctness(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
-    """The verifiable reward: 1 where the final answer equals the reference's (as numbers), else 0."""
-    predicted = [extract_answer(text) for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
-    return torch.tensor([float(p is not None and p == extract_answer(a)) for p, a in zip(predicted, answers)])
+def correctness(tokenizer, responses: list[list[int]], answers: list[str], args: Args) -> torch.Tensor:
+    """The verifiable reward: 1 where the final answer (--answer_format) equals the reference's (its number after
+    "####" if it has one, else its last), as numbers, else 0."""
+    predicted = [extract_answer(text, args.answer_format)
+                 for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
+    references = [extract_answer(a, "####" if "####" in a else "last_number") for a in map(str, answers)]
+    return torch.tensor([float(p is not None and p == r) for p, r in zip(predicted, references)])
 
 
-def training_reward(tokenizer, responses: list[list[int]], answers: list[str]) -> torch.Tensor:
+def training_reward(tokenizer, responses: list[list[int]], answers: list[str], args: Args) -> torch.Tensor:
     """Each completion's training reward: the verifier's grade. The evaluation's pass@1 calls `correctness`
     itself: replacing this function leaves it as it is."""
-    return correctness(tokenizer, responses, answers)
+    return correctness(tokenizer, responses, answers, args)
 
 
 # --- GRPO: the rollout, the group-relative advantages, the loss and the update -------------------------------------
@@ -705,7 +734,7 @@ def make_rollout(batch: list, prompt_order, train_prompts: list, train_answers: 
     width = max(map(len, responses))
     mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
     behaviour = torch.tensor([lp[: len(r)] + [0.0] * (width - len(r)) for lp, r in zip(logprobs, responses)])
-    return dict(prompts=prompts, responses=responses, rewards=training_reward(tokenizer, responses, answers),
+    return dict(prompts=prompts, responses=responses, rewards=training_reward(tokenizer, responses, answers, args),
                 ended=torch.tensor(has_eos, dtype=torch.float), behaviour_logprobs=behaviour, response_mask=mask,
                 versions=torch.tensor(versions, dtype=torch.float))
 
@@ -820,11 +849,24 @@ def grpo_update(learner, optimizer, scheduler, rollout: dict, args: Args, run: c
 
 
 # --- Tokens and log-probs ------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, questions: list[str], args: Args) -> list[list[int]]:
-    """Token ids per problem in --prompt_format (after BOS where the tokenizer adds one; long prompts keep
-    their end, where the format's cue, 'Solution:', sits)."""
-    return core.tokenize_prompts(tokenizer, [args.prompt_format.format(question=q) for q in questions],
-                                 args.max_prompt_length)
+def tokenize_prompts(tokenizer, problems, args: Args) -> list[list[int]]:
+    """Token ids per problem: its question in --prompt_format, or (chat:) as the user's turn in the policy's chat
+    template, the generation prompt added (a `messages` column: its turns). After BOS where the tokenizer adds
+    one; long prompts keep their end, where the cue or the assistant header sits."""
+    chat = args.prompt_format.startswith("chat:")
+    if "messages" in problems.column_names:
+        if not chat:
+            core.fail(f"--dataset {args.dataset} is a chat (a `messages` column): pass --prompt_format chat")
+        texts = plumbing_chat.chat_prompts(tokenizer, problems["messages"], args.sft_model_path)
+    elif args.question_column not in problems.column_names:
+        core.fail(f"--dataset {args.dataset}: no --question_column {args.question_column!r} (nor `messages`); "
+                  f"found {problems.column_names}")
+    else:
+        texts = [args.prompt_format.removeprefix("chat:").format(question=q) for q in problems[args.question_column]]
+        if chat:
+            texts = plumbing_chat.chat_prompts(tokenizer, [[dict(role="user", content=t)] for t in texts],
+                                               args.sft_model_path)
+    return core.tokenize_prompts(tokenizer, texts, args.max_prompt_length)
 
 
 def truncate_at_eos(responses: list[list[int]], length: int, eos_id: int) -> tuple[list, list]:
@@ -1263,9 +1305,9 @@ def open_admission(record, first_group: int, args: Args) -> None:
 def evaluation_set(test_data, tokenizer, args: Args) -> dict:
     """The test problems (the first num_eval_prompts during training), this rank's share and its answers."""
     test_data = test_data.select(range(min(args.num_final_eval_prompts or len(test_data), len(test_data))))
-    prompts = tokenize_prompts(tokenizer, test_data["question"], args)
+    prompts = tokenize_prompts(tokenizer, test_data, args)
     return dict(prompts=prompts, num_prompts=min(args.num_eval_prompts, len(prompts)),
-                my_answers=test_data["answer"][args.rank:: args.world_size])
+                my_answers=test_data[args.answer_column][args.rank:: args.world_size])
 
 
 def score_evaluation(message: dict, training_start: Optional[float], eval_set: dict, tokenizer, args: Args,
@@ -1273,7 +1315,7 @@ def score_evaluation(message: dict, training_start: Optional[float], eval_set: d
     """Grade an evaluation's answers on every rank (each its share), then print and log it."""
     start, responses = time.time(), message["responses"][args.rank:: args.world_size]
     responses, has_eos = truncate_at_eos(responses, args.eval_response_length, run.eos_id)
-    correct = correctness(tokenizer, responses, eval_set["my_answers"][: len(responses)])
+    correct = correctness(tokenizer, responses, eval_set["my_answers"][: len(responses)], args)
     lengths = sorted(map(len, responses))
     sums = core.reduce_sums({"correct": correct.sum().item(), "count": len(responses), "eos": sum(has_eos),
                              "tokens": sum(lengths)}, args.world_size)

@@ -67,7 +67,8 @@ SFT_STEPS, SFT_SEEDS, SFT_SNAPSHOTS = 90, 8, (85, 80, 75, 70)  # see build_tldr,
 PROXY_AGREEMENT = 0.8  # the proxy trains until it orders this share of held-out pairs as the gold model does
 WORLDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds")
 SHIPPED = {"tldr": os.path.join(WORLDS, "tldr-v3"), "gsm8k": os.path.join(WORLDS, "gsm8k-v2"),  # --tiny_dir's default
-           "chains": os.path.join(WORLDS, "chains-v1"), "tools": os.path.join(WORLDS, "tools-v1")}
+           "chains": os.path.join(WORLDS, "chains-v1"), "tools": os.path.join(WORLDS, "tools-v1"),
+           "chat-tools": os.path.join(WORLDS, "chat-tools-v1")}
 CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks a world by hand
 NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every file)
     "tldr": ("world.json", "data/train.jsonl", "data/validation.jsonl", "sft/model.safetensors",
@@ -76,6 +77,7 @@ NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every 
               "sft/model.safetensors"),
     "chains": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
     "tools": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
+    "chat-tools": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
 }
 
 
@@ -830,7 +832,8 @@ def build_math_tokenizer(texts: list[str], vocab_size: int = 512):
     return tokenizer
 
 
-def train_math_sft(tokenizer, train: list[dict], width: int, lr: float, steps: int, progress, tools: bool = False):
+def train_math_sft(tokenizer, train: list[dict], width: int, lr: float, steps: int, progress, tools: bool = False,
+                   rendered: bool = False):
     """The math worlds' SFT policy (GSM8k miniature, chains, tools): GPT-NeoX, `width` wide, 4 layers and heads,
     trained on the worked solutions (the prompt masked; `tools`: solved with the calculator, its answers masked),
     batches of 64, seed 0, reporting every 100 steps."""
@@ -840,9 +843,10 @@ def train_math_sft(tokenizer, train: list[dict], width: int, lr: float, steps: i
     config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=4, num_attention_heads=4,
                            intermediate_size=4 * width, max_position_embeddings=512, bos_token_id=eos,
                            eos_token_id=eos)
-    rows = [{"query": MATH_PROMPT.format(question=r["question"]), "pieces": [*tool_pieces(r), (EOS, True)]} if tools
-            else {"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
-            for r in train]
+    rows = train if rendered else [  # (rendered: the rows already have their query and pieces)
+        {"query": MATH_PROMPT.format(question=r["question"]), "pieces": [*tool_pieces(r), (EOS, True)]} if tools
+        else {"query": MATH_PROMPT.format(question=r["question"]), "reference_response": f" {r['answer']}{EOS}"}
+        for r in train]
 
     def every_100(step: int, _) -> None:
         if step % 100 == 0 and step < steps:
@@ -1008,16 +1012,21 @@ def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
 CHAIN_SFT_STEPS = 900  # (a probe of one thread: greedy pass@1 0.07, 0.12, 0.22 and 0.45 at 250, 500, 750 and 1000)
 
 
+def pass_at_1_by_steps(rows: list[dict], right: list[bool]) -> dict:
+    """Greedy pass@1 on `rows`, overall and by the chain's steps (6 and more together)."""
+    by_steps = {}
+    for row, ok in zip(rows, right):
+        by_steps.setdefault(min(row["steps"], 6), []).append(ok)
+    return {"sft_test_pass_at_1": sum(right) / len(right),
+            "sft_pass_at_1_by_steps": {f"{s}{'+' * (s == 6)}": sum(v) / len(v) for s, v in sorted(by_steps.items())}}
+
+
 def chain_report(policy, tokenizer, rows: list[dict]) -> dict:
     """The SFT policy on `rows`: greedy pass@1 (overall and by the chain's steps) and its greedy completions'
     length percentiles in tokens (the tail the fully asynchronous pipeline is for)."""
     completions, right = greedy_answers(policy, tokenizer, rows, 128)
     lengths = sorted(len(c) for c in completions)
-    by_steps = {}
-    for row, ok in zip(rows, right):
-        by_steps.setdefault(min(row["steps"], 6), []).append(ok)
-    return {"sft_test_pass_at_1": sum(right) / len(right),
-            "sft_pass_at_1_by_steps": {f"{s}{'+' * (s == 6)}": sum(v) / len(v) for s, v in sorted(by_steps.items())},
+    return {**pass_at_1_by_steps(rows, right),
             "sft_length_p50": lengths[len(lengths) // 2], "sft_length_p90": lengths[int(0.9 * len(lengths))],
             "sft_length_p99": lengths[int(0.99 * len(lengths))]}
 
@@ -1049,6 +1058,14 @@ def call_result(turn_text: str) -> Optional[int]:
 def tool_answer(result: Optional[int]) -> str:
     """What the tool appends after a call: its result, or an error the policy can read."""
     return " = error\n" if result is None else f" = {result}\n"
+
+
+def tool_world_format(tiny_dir: str) -> tuple[str, str, str]:
+    """A tool world's prompt format, answer format and tool parser (agentic_grpo.py's defaults for it): what its
+    world.json says (the chat tool world: its chat template, calls as <tool_call> JSON), else tools-v1's (the math
+    prompt, "####", the calculator's "<<23 + 11>>")."""
+    report = json.load(open(os.path.join(os.path.expanduser(tiny_dir), "world.json")))
+    return tuple(report.get("format", (MATH_PROMPT, "####", "calculator")))
 
 
 def tool_pieces(row: dict) -> list[tuple[str, bool]]:
@@ -1109,12 +1126,8 @@ def tool_report(policy, tokenizer, rows: list[dict]) -> dict:
     end_call = tokenizer.convert_tokens_to_ids(END_CALL)
     answers = [tokenizer.decode(e, skip_special_tokens=True).split("####")[-1].strip() for e in episodes]
     right = [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
-    by_steps = {}
-    for row, ok in zip(rows, right):
-        by_steps.setdefault(min(row["steps"], 6), []).append(ok)
     turns, lengths = sorted(e.count(end_call) + 1 for e in episodes), sorted(map(len, episodes))
-    return {"sft_test_pass_at_1": sum(right) / len(right),
-            "sft_pass_at_1_by_steps": {f"{s}{'+' * (s == 6)}": sum(v) / len(v) for s, v in sorted(by_steps.items())},
+    return {**pass_at_1_by_steps(rows, right),
             "sft_turns_p50": turns[len(turns) // 2], "sft_turns_p90": turns[int(0.9 * len(turns))],
             "sft_turns_p99": turns[int(0.99 * len(turns))], "sft_length_p50": lengths[len(lengths) // 2],
             "sft_length_p99": lengths[int(0.99 * len(lengths))]}
@@ -1157,16 +1170,142 @@ def build_tools_here(tiny_dir: str, quick: str = "0") -> None:
              f"{report['sft_turns_p50']} and p99 {report['sft_turns_p99']}; saved in {tiny_dir}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The chains with a calculator in chat form (`agentic_grpo.py --model tiny --tiny_dir worlds/chat-tools-v1`)
+# ---------------------------------------------------------------------------------------------------------------
+IM_START, IM_END, TOOL_CALL, END_TOOL_CALL = "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"
+# ChatML with tools, compact: the system turn names the tools; an assistant's calls are Hermes/Qwen <tool_call> JSON;
+# a tool's reply is a `tool` turn (vLLM's `hermes` parser reads the calls)
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {% for tool in tools %}{{ tool.function.name }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_FORMAT = ("chat:{question}", "####", "hermes")  # agentic_grpo.py's prompt format, answer format, tool parser
+CALCULATOR_SCHEMA = {"type": "function", "function": {
+    "name": "calculator", "description": "Computes a sum or a difference of two whole numbers.",
+    "parameters": {"type": "object", "properties": {"expression": {
+        "type": "string", "description": "the sum or difference, as \"23 + 11\" or \"40 - 7\""}},
+        "required": ["expression"]}}}
+
+
+def chat_call(expression: str) -> str:
+    """An assistant turn calling the calculator, as CHAT_TEMPLATE writes it (the end of turn included)."""
+    return f"{TOOL_CALL}{json.dumps(dict(name='calculator', arguments=dict(expression=expression)))}{END_TOOL_CALL}" \
+        + IM_END
+
+
+def chat_reply(result: str) -> str:
+    """The tool's reply and the next assistant header, as CHAT_TEMPLATE writes them after a call's end of turn."""
+    return f"\n{IM_START}tool\n{result}{IM_END}\n{IM_START}assistant\n"
+
+
+def chat_pieces(row: dict) -> list[tuple[str, bool]]:
+    """A chains problem's worked solution as a chat tool episode: (text, written by the policy) pieces, a turn
+    calling the calculator per step and the tool's reply, then the final answer's turn: '<tool_call>{"name":
+    "calculator", "arguments": {"expression": "23 + 11"}}</tool_call><|im_end|>', '\n<|im_start|>tool\n34<|im_end|>
+    \n<|im_start|>assistant\n', ..., "#### 29<|im_end|>"."""
+    pieces = []
+    for line in row["answer"].split("\n")[:-1]:  # "23 + 11 = 34."
+        expression, result = line.rstrip(".").split(" = ")
+        pieces += [(chat_call(expression), True), (chat_reply(result), False)]
+    return pieces + [(row["answer"].split("\n")[-1] + IM_END, True)]
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template([dict(role="user", content=question)], tools=[CALCULATOR_SCHEMA],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+def chat_tool_report(policy, tokenizer, rows: list[dict], max_turns: int = 16, max_tokens: int = 256) -> dict:
+    """The SFT policy solving `rows` greedily in chat form with the calculator (transformers' generate): a turn ends
+    at <|im_end|>; a turn with a <tool_call> gets the tool's reply as ids of their own. Greedy pass@1 (overall and
+    by the chain's steps), turns and lengths in tokens."""
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+    prompts = encode(tokenizer, [chat_prompt(tokenizer, r["question"]) for r in rows])
+    episodes, turns, active = [[] for _ in rows], [0] * len(rows), list(range(len(rows)))
+    for _ in range(max_turns):
+        sampled = sample(policy, [prompts[i] + episodes[i] for i in active], tokenizer.eos_token_id, 0.0,
+                         max_tokens, (end,))
+        still = []
+        for i, turn in zip(active, sampled):
+            episodes[i], turns[i] = episodes[i] + turn, turns[i] + 1
+            text = tokenizer.decode(turn)
+            if TOOL_CALL in text and len(episodes[i]) < max_tokens:
+                try:
+                    call = json.loads(text.split(TOOL_CALL, 1)[1].split(END_TOOL_CALL, 1)[0])
+                    result = calculator(call["arguments"]["expression"])
+                except (ValueError, KeyError, TypeError, IndexError):
+                    result = None
+                episodes[i] += encode(tokenizer, [chat_reply("error" if result is None else str(result))])[0]
+                still.append(i)
+        active = still
+        if not active:
+            break
+    answers = [tokenizer.decode(e, skip_special_tokens=True).split("####")[-1].strip() for e in episodes]
+    right = [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+    turns, lengths = sorted(turns), sorted(map(len, episodes))
+    return {**pass_at_1_by_steps(rows, right),
+            "sft_turns_p50": turns[len(turns) // 2], "sft_turns_p99": turns[int(0.99 * len(turns))],
+            "sft_length_p50": lengths[len(lengths) // 2], "sft_length_p99": lengths[int(0.99 * len(lengths))]}
+
+
+def build_chat_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
+    """Build the chat tool world into `tiny_dir` unless one is there: tools-v1's problems (the same generator and
+    seed), a tokenizer with ChatML's and Hermes' marks as special tokens and CHAT_TEMPLATE, and a GPT-NeoX SFT
+    policy (hidden 128, 4 layers) trained on the worked solutions in chat form: a turn per call, '<tool_call>
+    {"name": "calculator", ...}</tool_call>', the tool's replies as `tool` turns (masked from the loss), the last
+    turn the answer. `quick`: a tenth of the problems and 5 SFT steps. Returns the SFT policy's and the dataset's
+    folders."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
+        build_in_own_process("chat-tools", tiny_dir, str(int(quick)))
+    return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
+
+
+def build_chat_tools_here(tiny_dir: str, quick: str = "0") -> None:
+    """The chat tool world's build itself (build_chat_tools runs it in a child process)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    quick = bool(int(quick))
+    progress = Progress("the chains with a calculator, in chat form" + " (quick)" * quick, tiny_dir)
+    sft_steps, scale = (5, 10) if quick else (CHAT_TOOLS_SFT_STEPS, 1)
+    with deterministic(0) as rng:
+        train, test = problem_splits(make_tool_problem, rng, scale)
+        marks = [IM_START, IM_END, TOOL_CALL, END_TOOL_CALL]
+        texts = [f"system\nTools: calculator\nuser\n{r['question']}\nassistant\n"
+                 + "".join(text for text, _ in chat_pieces(r)) for r in train]
+        for mark in marks:
+            texts = [text.replace(mark, "\n") for text in texts]  # (the marks are tokens of their own)
+        tokenizer = build_math_tokenizer(texts + [" 0 1 2 3 4 5 6 7 8 9"] * 100)
+        tokenizer.add_special_tokens({"additional_special_tokens": marks})
+        tokenizer.chat_template = CHAT_TEMPLATE
+        progress("problems and tokenizer")
+        rows = [{"query": chat_prompt(tokenizer, r["question"]), "pieces": chat_pieces(r)} for r in train]
+        policy = train_math_sft(tokenizer, rows, 128, 2e-3, sft_steps, progress, rendered=True)
+        report = {"quick": quick, "sft_steps": sft_steps, "format": list(CHAT_FORMAT),
+                  **chat_tool_report(policy, tokenizer, test)}
+    save_world(tiny_dir, {"train": train, "test": test}, {"sft": policy}, tokenizer, report)
+    progress(f"built: greedy pass@1 with the tool {report['sft_test_pass_at_1']:.2f}, turns p50 "
+             f"{report['sft_turns_p50']} and p99 {report['sft_turns_p99']}; saved in {tiny_dir}")
+
+
+CHAT_TOOLS_SFT_STEPS = 300  # tools-v1's
+
+
 if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--quick] [--base TLDR_FOLDER] (sized)
     if sys.argv[1:2] == ["--build"]:  # (build_in_own_process's child)
         kind, folder, *options = sys.argv[2:]
         {"tldr": build_tldr_here, "gsm8k": build_gsm8k_here, "chains": build_chains_here, "tools": build_tools_here,
-         "sized": build_sized_here}[kind](folder, *options)
+         "chat-tools": build_chat_tools_here, "sized": build_sized_here}[kind](folder, *options)
         sys.exit()
     import argparse
 
     parser = argparse.ArgumentParser(description="Build a toy world into a folder (nothing is built over one).")
-    parser.add_argument("kind", choices=["tldr", "gsm8k", "chains", "tools", "sized"])
+    parser.add_argument("kind", choices=["tldr", "gsm8k", "chains", "tools", "chat-tools", "sized"])
     parser.add_argument("folder")
     parser.add_argument("--quick", action="store_true", help="the same layout on a fraction of the work (tests)")
     parser.add_argument("--base", default=SHIPPED["tldr"], help="sized: the TL;DR world the sizes are built beside")
@@ -1174,6 +1313,7 @@ if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--qu
     if cli.kind == "sized":
         build_sized(cli.folder, cli.base, cli.quick)
     else:
-        {"tldr": build_tldr, "gsm8k": build_gsm8k, "chains": build_chains, "tools": build_tools}[cli.kind](
+        {"tldr": build_tldr, "gsm8k": build_gsm8k, "chains": build_chains, "tools": build_tools,
+         "chat-tools": build_chat_tools}[cli.kind](
             cli.folder, cli.quick)
     print(open(os.path.join(os.path.expanduser(cli.folder), "world.json")).read())

@@ -748,7 +748,7 @@ def inflight_reload(device: torch.device, num_generators: int = 1) -> str:
                                    vllm_gpu_memory_utilization=0.3, num_generators=num_generators))
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
     train, _ = core.load_prompt_splits(args.dataset, args.seed, ("question", "answer"), ("train", "test"))
-    prompts = fa.tokenize_prompts(tokenizer, train["question"], args)
+    prompts = fa.tokenize_prompts(tokenizer, train, args)
     old = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32).to(device).eval()
     new, table = perturbed(old), fa.weight_table(old)
     slots = fa.make_weight_slots(table, fa.len_slots(args), torch.bfloat16 if use_cuda else torch.float32, device)

@@ -16,4 +16,7 @@ above it:
     launch         parsing the flags, starting the run, a clean exit on every path
     transport      the streaming twins' engines on several nodes: started, watched, stopped; their messages;
                    the admission record's store; the leaders' group that carries versions; adoption
+    tools          agentic_grpo.py's tools in the model's own format: JSON schemas, vLLM's tool parsers (the
+                   calculator's syntax registered as one), calls in threads with a timeout, the replies as the
+                   chat template's tool turns, and the checks at start (parser, prefix stability)
 """

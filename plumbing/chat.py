@@ -1,7 +1,9 @@
 """Chat datasets: rows with a `messages` column (a list of {role, content}, the Hugging Face chat
 format, as No Robots has) turned into the `query` and `reference_response` the scripts read, with
-the policy tokenizer's own chat template; and the token that ends an assistant turn."""
+the policy tokenizer's own chat template; a problem's prompt in the template (the GRPO twins, the
+tools' schemas rendered); and the token that ends an assistant turn."""
 import os
+from typing import Optional
 
 from plumbing.core import bos_prefix, fail
 
@@ -55,3 +57,21 @@ def format_chats(splits: dict, dataset: str, tokenizer, tokenizer_path: str, max
                  f"{max_prompt_length} tokens")
         formatted[name] = split.select(kept)
     return formatted
+
+
+def chat_prompts(tokenizer, chats: list, tokenizer_path: str, tools: Optional[list] = None) -> list[str]:
+    """Each chat's turns (a last assistant turn, the reference, left out) in the tokenizer's chat
+    template with `tools`' JSON schemas, ending with the generation prompt: the prompt ends at the
+    assistant header. Without the BOS the tokenizer adds itself."""
+    if tokenizer.chat_template is None:
+        fail(f"--prompt_format chat: the tokenizer of --sft_model_path {tokenizer_path} has no chat "
+             f"template (`chat_template` in its tokenizer_config.json): pass a --prompt_format with "
+             f"{{question}} instead, or a policy that has one")
+    bos, bos_text = bos_prefix(tokenizer), tokenizer.bos_token or ""
+    texts = []
+    for turns in chats:
+        turns = turns[:-1] if turns and turns[-1]["role"] == "assistant" else turns
+        text = tokenizer.apply_chat_template(turns, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False)
+        texts.append(text.removeprefix(bos_text) if bos else text)
+    return texts

@@ -107,6 +107,12 @@ def tools_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def chat_tools_dir() -> str:
+    """The tool world in chat form: calls as <tool_call> JSON, replies as tool turns (agentic_grpo.py's)."""
+    return shipped_math_world("chat-tools")
+
+
+@pytest.fixture(scope="session")
 def gsm8k_dir() -> str:
     """The GSM8k miniature."""
     return shipped_math_world("gsm8k")

@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from transformers import AutoTokenizer
 import agentic_grpo as ag
 import tiny_world
 from benchmarks import token_versions
-from plumbing import core
+from plumbing import core, tools
 
 
 @pytest.fixture(scope="session")
@@ -29,9 +30,38 @@ def tokenizer(tools_dir):
 
 
 def call(tokenizer, text: str, error_rate: float = 0.0, seed: int = 0) -> tuple[str, str]:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    answer, outcome = ag.call_tool(tokenizer, ids, dict(error_rate=error_rate), ag.random.Random(seed))
-    return tokenizer.decode(answer), outcome
+    """A turn ending in `text`, through the generator's own path (the calculator's parser, the tool in its thread,
+    the reply appended): the reply's text and what happened."""
+    turn_format = tools.turn_format(tokenizer, "calculator", [tiny_world.CALCULATOR_SCHEMA], False,
+                                   tokenizer.eos_token_id, "tools-v1")
+    stream = tool_stream(tokenizer, turn_format, error_rate=error_rate, seed=seed)
+    episode = ag.new_episode({})
+    reply = take_turn(stream, episode, text)
+    outcome = "wrong" if episode["wrong"] else "malformed" if episode["errors"] + episode["parse_failures"] else "ok"
+    return reply, outcome
+
+
+def tool_stream(tokenizer, turn_format: dict, **tool) -> "ag.Stream":
+    """An engine's stream as far as its episodes' tools need it: the settings, vLLM's parser, the tools' threads."""
+    settings = dict(turn_format=turn_format, max_turns=8, timeout=30.0, max_output_tokens=256, error_rate=0.0,
+                    latency=0.0, latency_distribution="fixed", seed=0)
+    settings.update(tool)
+    stream = ag.Stream(None, [], None, 0, None, settings, tokenizer, [], [])
+    stream.parser, stream.pool = tools.make_parser(turn_format["parser"], tokenizer), ThreadPoolExecutor(8)
+    stream.tool_rng = ag.random.Random(f"{settings['seed']}/tool/0")
+    return stream
+
+
+def take_turn(stream, episode: dict, text: str, max_tokens: int = 512) -> str:
+    """A turn whose sampled ids are `text`'s, read (read_turn: its calls started) and answered once its calls are
+    (append_replies): the reply's text (empty: the episode ended)."""
+    ids = stream.tokenizer.encode(text, add_special_tokens=False)
+    before = len(episode["ids"]) + len(ids)
+    if ag.read_turn(stream, episode, ids, "stop", go_on=True, max_tokens=max_tokens) and episode["pending"]:
+        while (outputs := tools.call_outputs(episode["pending"], stream.tool["timeout"], time.time())) is None:
+            time.sleep(0.01)
+        ag.append_replies(stream, episode, outputs, max_tokens)
+    return stream.tokenizer.decode(episode["ids"][before:])
 
 
 def test_the_tool_answers_calls_bad_calls_and_errs_on_purpose(tokenizer):
@@ -86,7 +116,7 @@ def learner_rows(module, groups: list, tokenizer) -> dict:
     prompts = {g["index"]: g["prompt"] for g in groups}
     order = list(range(max(prompts) + 1))
     train_prompts = [prompts.get(i, []) for i in order]
-    args = ag.Args(rank=0, world_size=1)
+    args = ag.Args(rank=0, world_size=1, answer_format="####")
     run = core.Run(torch.device("cpu"), torch.autocast("cpu", enabled=False), tokenizer.eos_token_id, 0)
     return module.make_rollout(groups, order, train_prompts, ["#### 0"] * len(order), tokenizer, args, run)
 
@@ -208,3 +238,35 @@ def test_a_dead_generator_stops_the_learner(tools_dir, tmp_path):
     stderr = assert_clean_exit(process, stopped_at, 1)
     assert time.time() - stopped_at < STOPS_WITHIN and "exited unexpectedly (exit code -9)" in stderr, stderr[-2000:]
     assert_all_gone(children)
+
+
+def test_a_closing_mark_of_several_tokens_is_read_on_the_turns_text(chains_dir):
+    """A tokenizer that writes the closing mark ">>" as two tokens (the chains world's): a turn stops at each ">",
+    and goes on when the turn's text does not end in the whole mark; once it does, the call is read and answered."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(chains_dir, "sft"))
+    turn_format = tools.turn_format(tokenizer, "calculator", [tiny_world.CALCULATOR_SCHEMA], False,
+                                    tokenizer.eos_token_id, "chains-v1")
+    assert turn_format["stop_ids"] == tokenizer.encode(">", add_special_tokens=False)
+    stream, episode = tool_stream(tokenizer, turn_format), ag.new_episode({})
+    first = tokenizer.encode(" <<23 + 11>", add_special_tokens=False)
+    assert ag.read_turn(stream, episode, first, "stop", go_on=True, max_tokens=128)  # (a lone ">": the turn goes on)
+    assert (episode["pieces"], episode["turns"], episode["pending"]) == (1, 0, [])
+    assert take_turn(stream, episode, ">") == " = 34\n" and episode["turns"] == 1 and episode["calls"] == 1
+
+
+def test_a_policy_that_calls_no_tool_is_said_once(capsys):
+    """After the third step, a run whose policy called no tool says so once, with the format the parser reads; one
+    whose calls were all unreadable says that; one that calls says nothing."""
+    tool = dict(turn_format=dict(example="x <<1 + 2>>"))
+    args = ag.Args(tool_parser="calculator", num_steps=10)
+
+    def said(calls: int, failures: int) -> str:
+        ledger, batch = dict(calls_seen=[0, 0, 0]), [dict(calls=[calls, 0], parse_failures=[failures, 0])] * 4
+        for version in range(1, 6):
+            ag.say_if_no_calls(batch, ledger, tool, version, args)
+        return capsys.readouterr().out
+
+    assert said(0, 0).count("warning: the policy called no tool in its first 24 episodes") == 1
+    assert "--tool_parser calculator reads calls written like 'x <<1 + 2>>'" in said(0, 0)
+    assert said(1, 1).count("none of the policy's 12 calls in its first 24 episodes could be read") == 1
+    assert said(1, 0) == ""

@@ -236,6 +236,17 @@ def test_lora_benchmark_quick():
 
 
 @pytest.mark.slow
+def test_slow_tools_benchmark_quick():
+    """benchmarks/slow_tools.py --quick: the tool world's run with a fast calculator and one that sleeps 0.05 s a
+    call, its table: tokens per second each, the slow one's overlap (the engine sampled while calls ran)."""
+    result = run_script("--quick", script=os.path.join("benchmarks", "slow_tools.py"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 0")]
+    assert [row[0] for row in rows] == ["| 0", "| 0.05"] and rows[0][2] == "1.00", result.stdout
+    assert float(rows[1][3]) > 0.3 and float(rows[1][6].rstrip(" |")) > 0, result.stdout
+
+
+@pytest.mark.slow
 def test_gsm8k_async_vs_sync_one_run(gsm8k_dir, tmp_path):
     """benchmarks/gsm8k_async_vs_sync.py --quick with its asynchronous run read back from the archive (seed 1's, the
     README's demo: its own test, test_gsm8k.py, runs it) and the synchronous one run, short (the tables, on the

@@ -89,4 +89,5 @@ def test_the_docs_give_launches_of_every_script_and_of_several_nodes():
     """The collection above finds what it should (a parser that found nothing would pass every test)."""
     assert {script for _, script, _, _ in LAUNCHES} >= {"async_dpo.py", "async_ppo.py", "fully_async_grpo.py"}
     assert any(torchrun["--nnodes"] > 1 for *_, torchrun in LAUNCHES)
-    assert any(script == "fully_async_grpo.py" and torchrun["--nnodes"] > 1 for _, script, _, torchrun in LAUNCHES)
+    for streaming in ("fully_async_grpo.py", "agentic_grpo.py"):  # (one node and two)
+        assert {torchrun["--nnodes"] for _, script, _, torchrun in LAUNCHES if script == streaming} >= {1, 2}

@@ -10,6 +10,7 @@ import subprocess
 import time
 from types import SimpleNamespace
 
+import datasets
 import pytest
 import torch
 from conftest import REPO, TORCHRUN_2, run_in_process, run_script, start_as_a_foreground_job
@@ -269,10 +270,10 @@ def a_real_batch(chains_dir: str, tmp_path, **overrides) -> tuple:
                                    output_dir=str(tmp_path)))
     sft, data, _ = fa.tiny_world.math_world(chains_dir, "chains")
     tokenizer = AutoTokenizer.from_pretrained(sft)
-    rows = [json.loads(line) for line in open(os.path.join(data, "train.jsonl"))][:8]
+    rows = datasets.Dataset.from_json(os.path.join(data, "train.jsonl")).select(range(8))
     run = core.Run(torch.device("cpu"), torch.autocast("cpu", enabled=False), *core.special_ids(tokenizer))
-    prompts = fa.tokenize_prompts(tokenizer, [r["question"] for r in rows], args)
-    responses = [tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] for r in rows]
+    prompts = fa.tokenize_prompts(tokenizer, rows, args)
+    responses = [tokenizer(" " + answer, add_special_tokens=False)["input_ids"] for answer in rows["answer"]]
     policy = core.train_without_dropout(AutoModelForCausalLM.from_pretrained(sft), False)
     width = max(map(len, responses))
     own = fa.logprobs_in_chunks(policy, prompts, responses, args.temperature, 8, run)

@@ -163,7 +163,7 @@ def layout(folder: str) -> set:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["tldr", "gsm8k", "chains", "tools"])
+@pytest.mark.parametrize("kind", ["tldr", "gsm8k", "chains", "tools", "chat-tools"])
 def test_the_builder_writes_a_world_laid_out_as_the_shipped_one(kind, tmp_path):
     """`python tiny_world.py KIND FOLDER --quick`, the builder's command on a fraction of the work: the same files as
     the world shipped in worlds/ (Hugging Face model folders, the dataset with its card, world.json with the same
