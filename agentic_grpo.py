@@ -1387,6 +1387,7 @@ def start_turns(engine, stream: Stream, stop_id: int) -> None:
                                   stop_token_ids=[stop_id, *stream.tool["turn_format"]["stop_ids"]],
                                   output_kind=RequestOutputKind.FINAL_ONLY,
                                   seed=core.sampling_seed(go["seed"], "train", turn_id + episode["pieces"] * 2**40))
+        generator_io.check_untruncated(sampling)  # (a truncated mu would compare other supports)
         prompt = stream.prompts[group % len(stream.prompts)] + episode["ids"]
         engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), sampling, lora_request=stream.adapter)
         stream.turns[request_id] = (group, i)
@@ -1629,6 +1630,7 @@ def evaluation(llm, stream: Stream, stop_id: int) -> dict:
         sampling = [SamplingParams(n=1, temperature=request["temperature"], logprobs=0, detokenize=False,
                                    max_tokens=max_tokens - len(episodes[i]["ids"]), seed=request["seed"],
                                    stop_token_ids=[stop_id, *stream.tool["turn_format"]["stop_ids"]]) for i in active]
+        generator_io.check_untruncated(sampling)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i] + episodes[i]["ids"]) for i in active],
                                sampling, lora_request=stream.adapter, use_tqdm=False)
         active = [i for i, output in zip(active, outputs) if read_turn(

@@ -840,6 +840,7 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
                                        max_tokens=request["max_tokens"], logprobs=0, detokenize=False,
                                        stop_token_ids=[stop_id], seed=request["seed"] + i * request["n"])
                         for i in range(len(request["prompts"]))]
+            generator_io.check_untruncated(sampling)  # (a truncated mu would compare other supports)
             generation_start = time.time()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]],
                                    sampling, lora_request=adapter, use_tqdm=False)

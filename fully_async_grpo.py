@@ -1172,6 +1172,7 @@ def admit_groups(engine, stream: Stream, stop_id: int) -> None:
         sampling = SamplingParams(n=go["n"], temperature=go["temperature"], max_tokens=go["max_tokens"], logprobs=0,
                                   detokenize=False, stop_token_ids=[stop_id], output_kind=RequestOutputKind.FINAL_ONLY,
                                   seed=core.sampling_seed(go["seed"], "train", group))
+        generator_io.check_untruncated(sampling)  # (a truncated mu would compare other supports)
         engine.add_request(str(group), TokensPrompt(prompt_token_ids=stream.prompts[group % len(stream.prompts)]),
                            sampling, lora_request=stream.adapter)
         stream.running[str(group)] = (group, stream.loaded, time.time())
@@ -1258,6 +1259,7 @@ def evaluation(llm, request: dict, version: int, adapter, stop_id: int) -> dict:
 
     sampling = SamplingParams(n=1, temperature=request["temperature"], max_tokens=request["max_tokens"],
                               logprobs=0, detokenize=False, stop_token_ids=[stop_id], seed=request["seed"])
+    generator_io.check_untruncated(sampling)
     start = time.time()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], sampling,
                            lora_request=adapter, use_tqdm=False)

@@ -213,6 +213,19 @@ def is_torchrun_variable(name: str) -> bool:
     return name in TORCHRUN_VARIABLES or name.startswith("TORCHELASTIC_")
 
 
+def check_untruncated(sampling) -> None:
+    """Refuse sampling parameters (one, or a list) that truncate the distribution: top-p below 1, a top-k, a min-p.
+    The sampler's log-probs (mu) would be of the truncated distribution and the learner's of the whole one, so the
+    importance ratio pi / mu would compare different supports. No flag sets them: this catches a fork that does."""
+    for params in sampling if isinstance(sampling, list) else [sampling]:
+        if params.top_p < 1 or params.top_k not in (0, -1) or params.min_p > 0:
+            raise ValueError(
+                f"sampling truncated (top_p {params.top_p}, top_k {params.top_k}, min_p {params.min_p}): the "
+                "sampler's log-probs would be of the truncated distribution, the learner's of the whole one, and "
+                "the importance ratio between them would compare different supports. Sample untruncated (adjust "
+                "--temperature instead), or truncate the learner's distribution the same way in the loss")
+
+
 def reset_prefix_cache(engine, preempt_running: bool = False) -> None:
     """Empty vLLM's prefix cache after a weight load, so that no request reuses KV that older weights
     computed. vLLM empties it only when no KV block is in use, and returns False when it did not

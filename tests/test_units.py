@@ -1,11 +1,13 @@
-"""Unit tests of the numerically delicate pieces of async_dpo.py, on the tiny models (no vLLM)."""
+"""Unit tests of the numerically delicate pieces of async_dpo.py, on the tiny models (no vLLM engine)."""
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
 import torch
+from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_dpo import (
@@ -518,3 +520,24 @@ def test_a_dataset_folder_rewritten_in_place_loads_its_new_rows(tmp_path):
                                                            for i in range(rows)))
         train, test = core.load_prompt_splits(str(folder), 1, names=("train", "test"))
         assert len(train) == len(test) == rows
+
+
+@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_k=50), dict(min_p=0.05)])
+def test_truncated_sampling_is_refused_where_every_script_builds_it(truncation):
+    """top-p < 1, top-k or min-p make the sampler's log-probs those of a truncated distribution while the learner's
+    are of the whole one: the importance ratio would compare different supports. generator_io.check_untruncated
+    refuses them, and every SamplingParams a script builds passes through it (a fork adding top_p is stopped)."""
+    from vllm import SamplingParams
+
+    from plumbing import generator_io
+
+    generator_io.check_untruncated([SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)])
+    with pytest.raises(ValueError, match="would compare different supports"):
+        generator_io.check_untruncated([SamplingParams(temperature=0.7), SamplingParams(**truncation)])
+    for script in ("async_dpo", "async_ppo", "async_rloo", "sync_baseline", "gsm8k_async_dpo", "fully_async_grpo",
+                   "agentic_grpo"):
+        source = open(os.path.join(REPO, f"{script}.py")).read()
+        built = [m.end() for m in re.finditer(r"SamplingParams\(", source)]
+        checked = [m.start() for m in re.finditer(r"generator_io\.check_untruncated\(sampling\)", source)]
+        assert built and len(built) == len(checked), script  # (each construction, then its check before use)
+        assert all(0 < c - b < 1200 for b, c in zip(built, checked)), script
