@@ -22,7 +22,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overlap import Args as OverlapArgs  # noqa: E402
 from overlap import mean, run_pipeline, tiny_world  # noqa: E402
-from stats import fmt, gap  # noqa: E402
+from stats import factor, fmt, gap  # noqa: E402
 
 
 @dataclass
@@ -87,6 +87,8 @@ if __name__ == "__main__":
               + ", ".join(f"{x:.2f}" for x in speedups) + f"); against sync-hf {fmt(against_hf, 2)} (each: "
               + ", ".join(f"{x:.2f}" for x in against_hf) + "); seconds a step, sync-hf - async, paired by repeat: "
               + gap([hf["step"] for _, _, hf in pairs], [fast["step"] for fast, _, _ in pairs], interval=True)["text"])
+        print(f"the speed-ups on log seconds a step: over sync-vllm {factor(speedups)['text']}; over sync-hf "
+              f"{factor(against_hf)['text']}")
 
     import matplotlib
 

@@ -5,7 +5,11 @@ against the two-sided 95% threshold of the t-distribution with seeds - 1 degrees
 not against "2 standard errors". A share of two gains (a gain kept, a loss recovered) is a ratio of noisy figures
 from the same seeds: its interval is Fieller's, over the seeds' paired numerators and denominators (the baseline's
 binomial error included), at the same t threshold; unbounded when the denominator itself is not told from 0. A table
-of many comparisons adds one line: which survive Holm's correction within the table (`holm_line`).
+of many comparisons adds one line: which survive Holm's correction within the table (`holm_line`), or within the
+set a pre-registration named, where there is one. A speed-up is judged on log seconds (`factor`: the ratio's
+interval); a claim that one arm loses at most a stated margin, by a one-sided bound (`bound_against_margin`); a
+comparison extended to more seeds because it was inconclusive, by a two-stage combination (`two_stage`); seeds that
+all agree, by the sign-flip p beside t (`sign_flip_p`). Every ± these functions print is a standard error.
 """
 import math
 import statistics
@@ -157,12 +161,106 @@ def holm(p_values: list[float], level: float = 0.05) -> list[bool]:
     return survives
 
 
-def holm_line(comparisons: list[tuple[str, dict]]) -> str:
+def holm_line(comparisons: list[tuple[str, dict]], family: str = "within this table") -> str:
     """One line for a table of (label, `judged` result) rows: which survive Holm's correction at 5% family-wise
-    within the table (comparisons not judged, one seed or no spread, count with p = 1)."""
+    within the table (comparisons not judged, one seed or no spread, count with p = 1). `family` names the family
+    where it is not the whole table (a pre-registered set: the family its verdicts were registered in)."""
     if all(r["t"] is None for _, r in comparisons):
-        return "Holm within this table: no comparisons judged"
+        return f"Holm {family}: no comparisons judged"
     survive = holm([p_value(r["t"], r["df"]) for _, r in comparisons])
     kept = [label for (label, _), ok in zip(comparisons, survive) if ok]
-    return (f"Holm within this table ({len(comparisons)} comparisons, 5% family-wise): "
+    return (f"Holm {family} ({len(comparisons)} comparisons, 5% family-wise): "
             + (f"{len(kept)} survive{'s' if len(kept) == 1 else ''}: {'; '.join(kept)}" if kept else "none survives"))
+
+
+T_95_ONE_SIDED = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833,
+                  10: 1.812, 12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697}  # one-sided 95% thresholds, by df
+
+
+def t_95_one_sided(df: int) -> float:
+    """The one-sided 95% threshold at `df` degrees of freedom (the next smaller tabled df: conservative)."""
+    if df < 1:
+        raise ValueError("a t threshold needs at least one degree of freedom (two seeds)")
+    return 1.645 if df > 30 else T_95_ONE_SIDED[max(d for d in T_95_ONE_SIDED if d <= df)]
+
+
+def sign_flip_p(differences: list[float]) -> float:
+    """The exact two-sided sign-flip permutation p of paired differences' mean: the share of the 2^n ways of flipping
+    their signs whose |sum| is at least the observed one. It needs no normal errors, but it cannot go below 2 / 2^n
+    (0.25 at three seeds, 0.0625 at five): what seeds that all agree can show, and no more."""
+    n, observed = len(differences), abs(sum(differences))
+    flips = [abs(sum(d if mask >> i & 1 else -d for i, d in enumerate(differences))) for mask in range(2 ** n)]
+    return sum(f >= observed * (1 - 1e-9) for f in flips) / 2 ** n
+
+
+def bound_against_margin(values: list[float], baseline: list[float], margin: float, digits: int = 3) -> dict:
+    """Is the paired difference values - baseline above `margin` (a loss allowed, stated in advance: e.g. -0.02)?
+    Its one-sided 95% lower bound, mean - t se at the one-sided threshold for seeds - 1 degrees of freedom, against
+    the margin: 'holds' when the bound is above it (a non-inferiority test at 5%), otherwise 'not shown'. A claim
+    that two arms learn 'as well' needs this bound and a margin; a difference that is merely not significant is no
+    such claim."""
+    if len(values) != len(baseline):
+        raise ValueError(f"a paired bound needs as many seeds on each side, got {len(values)} and {len(baseline)}")
+    mean, se = mean_and_stderr([a - b for a, b in zip(values, baseline)])
+    threshold = t_95_one_sided(len(values) - 1)
+    low = mean - threshold * se
+    holds = low > margin
+    return dict(mean=mean, low=low, holds=holds,
+                text=f"one-sided 95% lower bound {low:+.{digits}f} (threshold {threshold:.2f}) against the margin "
+                     f"{margin:+.{digits}f}: " + ("holds" if holds else "not shown"))
+
+
+def factor(ratios: list[float], digits: int = 2, unit: str = "seconds") -> dict:
+    """A speed-up judged on the log scale, where a ratio of times is a difference: each seed's (or repeat's) ratio,
+    the mean and standard error of their logs, the factor exp(mean) (the ratios' geometric mean) with its 95%
+    interval exp(mean ± t se) at the two-sided threshold for n - 1 degrees of freedom, the t of the logs and the
+    sign-flip p beside it. 'Inconclusive' where the interval includes 1."""
+    logs = [math.log(r) for r in ratios]
+    mean, se = mean_and_stderr(logs)
+    value = math.exp(mean)
+    if len(ratios) < 2:
+        return dict(value=value, low=value, high=value, t=None, df=0, passes=False,
+                    text=f"{value:.{digits}f}x (one seed)")
+    threshold = t_95(len(ratios) - 1)
+    if se <= 1e-12:
+        return dict(value=value, low=value, high=value, t=None, df=len(ratios) - 1, passes=False,
+                    text=f"{value:.{digits}f}x (every ratio the same: not judged)")
+    low, high, t = math.exp(mean - threshold * se), math.exp(mean + threshold * se), mean / se
+    passes = abs(t) > threshold
+    return dict(value=value, low=low, high=high, t=t, df=len(ratios) - 1, passes=passes,
+                text=f"{value:.{digits}f}x, 95% interval {low:.{digits}f}x to {high:.{digits}f}x (t = {t:.1f} on log "
+                     f"{unit}, threshold {threshold:.2f}: {'passes' if passes else 'inconclusive'}; sign-flip p = "
+                     f"{sign_flip_p(logs):.2f})")
+
+
+def one_sided_p(t: float, df: int, predicted: int = 1) -> float:
+    """The one-sided p of a t-statistic in the predicted direction (+1: above 0, -1: below)."""
+    two_sided = p_value(t, df)
+    return two_sided / 2 if t * predicted > 0 else 1 - two_sided / 2
+
+
+def two_stage(values: list[float], baseline: list[float], first: int, predicted: int = 1) -> dict:
+    """A paired comparison run on `first` seeds and, being inconclusive there, extended to the rest: judging all the
+    seeds pooled then tests twice at 5% (false positives above 5%). The inverse-normal combination keeps 5%: each
+    stage's paired t on its own seeds gives a one-sided p in the predicted direction, z_i its normal quantile, and
+    Z = sqrt(n1 / n) z_1 + sqrt(n2 / n) z_2 (the weights fixed by the stages' seeds, not by their results); the
+    combined p is reported two-sided (twice the one-sided, capped at 1), to match the two-sided 95% rule."""
+    from statistics import NormalDist
+
+    normal = NormalDist()
+    d = [a - b for a, b in zip(values, baseline)]
+    stages, parts = (d[:first], d[first:]), []
+    if min(len(s) for s in stages) < 2:
+        raise ValueError("each stage needs at least two seeds")
+    z = 0.0
+    for stage in stages:
+        mean, se = mean_and_stderr(stage)
+        t = mean / se if se > 0 else math.copysign(math.inf, mean)
+        p = one_sided_p(t, len(stage) - 1, predicted)
+        z += math.sqrt(len(stage) / len(d)) * normal.inv_cdf(1 - min(max(p, 1e-12), 1 - 1e-12))
+        parts.append(f"t = {t:.1f}, one-sided p = {p:.3f}")
+    p = min(1.0, 2 * (1 - normal.cdf(z)))
+    return dict(p=p, passes=p < 0.05,
+                text=f"seeds 1-{first}: {parts[0]}; seeds {first + 1}-{len(d)}: {parts[1]}; combined p = {p:.3f} "
+                     f"(inverse normal, weights sqrt({first}/{len(d)}) and sqrt({len(d) - first}/{len(d)}), "
+                     "two-sided): " + ("passes" if p < 0.05 else "inconclusive") + " at 5%")
