@@ -52,6 +52,8 @@ class Args:
     """one short run (k = 2 `drop`, 4 steps): checks that the benchmark runs, measures nothing"""
     runs_dir: str = os.path.join(HERE, "runs", "drop_bias")
     """where every run keeps its folder (a finished run is read, not run again)"""
+    plot_dir: str = HERE
+    """where drop_bias.png goes (the shares admitted and trained, by difficulty)"""
 
 
 def difficulty(steps: int) -> str:
@@ -175,7 +177,7 @@ def report(results: dict, seeds: list) -> None:
     print("\nThe bias against `pace`'s, paired by seed (primary: k = 2, drop; margin ±0.02):")
     for (label, result), name in zip(family, rows):
         print(f"  {label}: {result['text']} -> {verdict(result)}")
-    print(f"  {holm_line(family)}")
+    print(f"  {holm_line(family, 'over the four registered bias comparisons')}")
     print("\nGreedy pass@1 after training by difficulty (1 / 2 / 3+ steps; the run's own evaluation, all 400), and on "
           "the hard problems against `pace`, paired:")
     hard_family = []
@@ -190,7 +192,7 @@ def report(results: dict, seeds: list) -> None:
                                                           interval=True)))
             line += f"; 3+ against pace: {hard_family[-1][1]['text']}"
         print(line)
-    print(f"  {holm_line(hard_family)}")
+    print(f"  {holm_line(hard_family, 'over the four registered pass@1 comparisons on the hard problems')}")
     print("\nSeconds a step against `pace` (log seconds, paired; the factor with its 95% interval):")
     for name, runs in results.items():
         if name.endswith("pace"):
@@ -203,7 +205,28 @@ def report(results: dict, seeds: list) -> None:
         low, high = (math.exp(m - result["threshold"] * se), math.exp(m + result["threshold"] * se)) \
             if result["threshold"] else (math.exp(m), math.exp(m))
         t = "not judged" if result["t"] is None else f"{result['t']:.1f}"
-        print(f"  {name} / pace: {math.exp(m):.2f}x (95% interval {low:.2f} to {high:.2f}x; t on log seconds: {t})")
+        print(f"  {name} / pace: {math.exp(m):.2f}x, 95% interval {low:.2f}x to {high:.2f}x (t on log seconds: {t})")
+
+
+def plot(results: dict, path: str) -> None:
+    """Each arm's share of groups by difficulty, admitted against trained (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(CLASSES), figsize=(4 * len(CLASSES), 3.5), sharey=False)
+    names = list(results)
+    for ax, c in zip(axes, CLASSES):
+        for offset, (side, colour) in enumerate((("admitted", "tab:gray"), ("trained", "tab:blue"))):
+            values = [statistics.mean(r[f"{side}_{c}"] for r in results[name].values()) for name in names]
+            ax.bar([i + 0.4 * offset for i in range(len(names))], values, 0.4, color=colour, label=side)
+        ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(f"{c} step{'' if c == '1' else 's'}: share of the groups")
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"\nsaved {path}")
 
 
 def verdict(result: dict) -> str:
@@ -238,6 +261,7 @@ def main(args: Args) -> None:
         report_pilot(results)
     else:
         report(results, seeds)
+        plot(results, os.path.join(args.plot_dir, "drop_bias.png"))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ REPRINTS = {
     "agentic": ("agentic", "agentic.py", ()),
     "agentic, the demo": ("agentic", "agentic.py", ("--demo",)),
     "capacity": ("capacity", "capacity.py", ()),
+    "drop_bias": ("drop_bias", "drop_bias.py", ()),
+    "drop_bias, the pilot": ("drop_bias", "drop_bias.py", ("--pilot",)),
 }
 # (doc, heading): the reprints whose figures its section quotes
 SECTIONS = {
@@ -58,10 +60,11 @@ SECTIONS = {
     ("results.md", "Sizes against stale data"): ["scaling"],
     ("results.md", "Which knob for which bottleneck"): ["compute_optimal", "compute_optimal, five seeds"],
     ("results.md", "Fully asynchronous schedules"): ["fully_async, table 1", "fully_async, tables 2-4"],
-    ("fully_async.md", "The schedules measured"): ["fully_async, table 1", "fully_async, tables 2-4"],
+    ("fully_async.md", "The schedules measured"): ["fully_async, table 1", "fully_async, tables 2-4", "drop_bias"],
     ("agentic.md", "Results"): ["agentic", "agentic, the demo"],
     ("gsm8k.md", "GSM8k"): ["gsm8k", "gsm8k, five seeds"],
     ("lora.md", "Measured"): ["lora"],
+    ("drop_bias.md", "The result"): ["drop_bias", "drop_bias, the pilot"],
 }
 # Figures these sections quote from sweeps whose runs were not kept (said so beside each)
 NOT_ARCHIVED = {"0.017 ± 0.002", "0.030 ± 0.013", "0.035 ± 0.004", "0.329 ± 0.010", "0.331 ± 0.015"}
@@ -210,6 +213,10 @@ PRINTED = {
               "async - sync, pass@1 after, unseen facts (paired by seed)", "speed-up", "Phase times",
               "on log seconds"],
     "lora": ["Table 3a", "<- picked", "LoRA - full: "],
+    "drop_bias": ["| k = 2, drop |", "The bias against `pace`'s, paired by seed (primary: k = 2, drop",
+                  "Holm over the four registered bias comparisons (4 comparisons", "k = 2, drop / pace: ",
+                  "3+ against pace: "],
+    "drop_bias, the pilot": ["drop - pace, paired: mean -0.0841, SD 0.0103"],
     "compute_optimal": ["| generation-bound | T = 2 |", "| training-bound | async K = 4 |",
                         "generation / training ", "'s regime: ", "the sampled KL(pi || SFT) where the gold win rate",
                         "0 (identical by construction: the same SFT samples at either schedule; not judged)"],
