@@ -17,6 +17,7 @@ Holm over each registered family. Runs go seed by seed, every arm in turn; a fin
     python benchmarks/drop_bias.py            # the registered design: 6 arms x seeds 1-4, about 32 minutes
     python benchmarks/drop_bias.py --quick    # one short run: checks it, measures nothing
 """
+import functools
 import json
 import math
 import os
@@ -110,7 +111,7 @@ def pass_by_difficulty(folder: str) -> dict:
     return {c: statistics.mean(ok for r, ok in zip(rows, right) if difficulty(r["steps"]) == c) for c in CLASSES}
 
 
-def run_arm(name: str, seed: int, args: Args, steps_of: dict) -> dict:
+def run_arm(name: str, seed: int, args: Args, steps_of) -> dict:
     steps = 4 if args.quick else STEPS
     folder = folder_name(name, seed)
     train, evals, _ = run_once(folder, args, "--seed", str(seed), *ARMS[name], "--total_episodes",
@@ -120,7 +121,7 @@ def run_arm(name: str, seed: int, args: Args, steps_of: dict) -> dict:
     cached = os.path.join(path, "drop_bias.json")  # (the per-run figures, computed once)
     if not os.path.exists(cached):
         with open(cached, "w") as f:
-            json.dump(dict(**mix(path, steps_of), pass_at_1=pass_by_difficulty(path)), f)
+            json.dump(dict(**mix(path, steps_of()), pass_at_1=pass_by_difficulty(path)), f)
     figures = json.load(open(cached))
     return dict(figures, seconds_per_step=train[-1]["time/elapsed"] / len(train), eval=evals[-1]["eval/pass_at_1"])
 
@@ -248,7 +249,7 @@ def verdict(result: dict) -> str:
 
 
 def main(args: Args) -> None:
-    steps_of = problems_by_prompt()
+    steps_of = functools.cache(problems_by_prompt)  # (read only for a run not yet summed up: a reprint needs none)
     names = PILOT if args.pilot else ("k = 2, drop",) if args.quick else tuple(ARMS)
     seeds = [101, 102] if args.pilot else args.seeds[:1] if args.quick else args.seeds
     results = {name: {} for name in names}

@@ -140,6 +140,25 @@ def trains_on_the_sampled_ids(rollout: dict, groups: list) -> list[str]:
     return differences
 
 
+def with_a_non_canonical_split(groups: list, tokenizer) -> list:
+    """The groups with one policy token of the first episode sampled as two ids that decode to the same text (a
+    split the policy samples at temperature 1 now and then, and a decode and encode merges back), its spans and
+    log-probs moved along: a fork that re-tokenises changes this episode's ids, whatever the run sampled."""
+    group = json.loads(json.dumps(groups[0]))  # (a copy)
+    response, logprobs, spans = group["responses"][0], group["logprobs"][0], group["spans"][0]
+    for i in [i for version, start, end in spans if version >= 0 for i in range(start, end)]:
+        text = tokenizer.decode([response[i]])
+        pieces = [*tokenizer.encode(text[:1], add_special_tokens=False),
+                  *tokenizer.encode(text[1:], add_special_tokens=False)] if len(text) > 1 else []
+        if len(pieces) == 2 and tokenizer.decode(pieces) == text:
+            more = len(pieces) - 1
+            group["responses"][0] = response[:i] + pieces + response[i + 1:]
+            group["logprobs"][0] = logprobs[:i] + [logprobs[i]] * len(pieces) + logprobs[i + 1:]
+            group["spans"][0] = [[v, s + more * (s > i), e + more * (e > i)] for v, s, e in spans]
+            return [group, *groups[1:]]
+    raise AssertionError("no policy token of the first episode splits in two")
+
+
 def re_tokenising_fork(tmp_path):
     """agentic_grpo.py as a fork that keeps episodes as text and tokenises them for the learner (decode, encode):
     the text is the same, the ids may not be."""
@@ -200,7 +219,9 @@ def test_token_in_token_out_masks_and_the_bound_in_flight(tools_dir, tokenizer, 
     calls = sum(outcomes.values())
     assert outcomes["ok"] > 100 and 0.1 < outcomes["wrong"] / calls < 0.3, outcomes
     assert trains_on_the_sampled_ids(learner_rows(ag, trained, tokenizer), trained) == []
-    caught = trains_on_the_sampled_ids(learner_rows(re_tokenising_fork(tmp_path), trained, tokenizer), trained)
+    split = with_a_non_canonical_split(trained, tokenizer)  # (what the policy samples now and then; a run may not)
+    assert trains_on_the_sampled_ids(learner_rows(ag, split, tokenizer), split) == []
+    caught = trains_on_the_sampled_ids(learner_rows(re_tokenising_fork(tmp_path), split, tokenizer), split)
     assert caught and all(difference.endswith("ids") for difference in caught), caught
     steps = episodes_metrics(out)
     assert len(steps) == 32 and all(r["staleness/max"] <= 2 and r["rollouts/discarded"] == 0 for r in steps), steps
