@@ -26,6 +26,8 @@ or --training_bound_threshold (0.5, fixed after the pilot that chose the trainin
 
     python benchmarks/compute_optimal.py            # 3 T values + 6 (K, schedule) rows, x 3 seeds: ~45 min on 2 cores
     python benchmarks/compute_optimal.py --quick    # one short run: checks that it runs, for CI
+    python benchmarks/compute_optimal.py --confirm_power   # the confirmation's power analysis (archived seeds 1-5)
+    python benchmarks/compute_optimal.py --confirm         # T = 2 > T = 1 and K = 4 > K = 2 on fresh seeds alone
 """
 import json
 import math
@@ -42,7 +44,7 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 from off_policy import sweep_folder, train  # noqa: E402
-from stats import fmt, gap, holm, holm_line, mean_and_stderr, two_stage  # noqa: E402
+from stats import fmt, gap, holm, holm_line, mean_and_stderr, p_value, power, two_stage  # noqa: E402
 
 import tiny_world  # noqa: E402
 from plumbing import metrics  # noqa: E402
@@ -95,6 +97,14 @@ class Args:
     """where each run's folder goes, kept so that a figure can be recomputed and a sweep resumed (a run already
     finished there is read back, not run again); default: benchmarks/runs/compute_optimal (--quick: a temporary
     folder, deleted after)"""
+    confirm: bool = False
+    """the confirmation registered in docs/results.md before its runs: T = 2 against T = 1 and K = 4 against K = 2
+    at the full schedule (the two comparisons seeds 1-5 left undecided) on fresh seeds alone, the registered 11-18,
+    each paired by seed (two-sided t), Holm over the two; only those four rows run, in
+    benchmarks/runs/compute_optimal_confirm, and no plot is drawn"""
+    confirm_power: bool = False
+    """the confirmation's power analysis, from the archived seeds 1-5 (in benchmarks/runs/compute_optimal): runs
+    nothing"""
     quick: bool = False
     """one short run, one seed: T = 2 (32 episodes), evaluations on 64 prompts: checks that it runs, measures nothing
     (the tables, on the archived sweep: docs/runs/compute_optimal.tar.xz)"""
@@ -244,23 +254,75 @@ def report_k_control(curves: dict, args: Args) -> None:
     print(f"\n{holm_line(judgements)}")
 
 
+# The two comparisons the first three seeds left undecided (extended to five, then confirmed on fresh seeds):
+# {name: (row, baseline row)}, each row (setting, label)
+UNDECIDED = {"T = 2 - T = 1": (("generation-bound", "T = 2"), ("generation-bound", "T = 1")),
+             "K = 4 - K = 2, full lr and episodes": (("training-bound", "async K = 4, full"),
+                                                     ("training-bound", "async K = 2"))}
+CONFIRMATION_SEEDS = list(range(11, 19))  # registered in docs/results.md from --confirm_power's analysis
+
+
+def run_name(setting: str, label: str, seed: int) -> str:
+    return f"{setting}_{label.replace(' = ', '').replace(',', '').replace(' ', '_')}_seed{seed}"
+
+
+def finals(curves: dict, row: tuple, seeds: list) -> list:
+    return [curves[(*row, s)]["final"] for s in seeds]
+
+
 def report_two_stage(curves: dict, args: Args) -> None:
     """T = 2 - T = 1 and K = 4 - K = 2 at the full schedule on the final gold win rate, extended past the first stage
     because they were inconclusive there: the two-stage combination of each, and Holm over the two."""
-    pairs = {"T = 2 - T = 1": (("generation-bound", "T = 2"), ("generation-bound", "T = 1")),
-             "K = 4 - K = 2, full lr and episodes": (("training-bound", "async K = 4, full"),
-                                                     ("training-bound", "async K = 2"))}
-    if any((*row, args.seeds[0]) not in curves for pair in pairs.values() for row in pair):
+    if any((*row, args.seeds[0]) not in curves for pair in UNDECIDED.values() for row in pair):
         return
     print(f"\nExtended past seeds {args.seeds[0]}-{args.seeds[args.first_stage - 1]} because inconclusive there, "
           "the final gold win rate judged by the two-stage combination:")
     results = {}
-    for name, (a, b) in pairs.items():
-        x, y = ([curves[(*row, s)]["final"] for s in args.seeds] for row in (a, b))
+    for name, (a, b) in UNDECIDED.items():
+        x, y = finals(curves, a, args.seeds), finals(curves, b, args.seeds)
         results[name] = two_stage(x, y, args.first_stage)
         print(f"  {name}: {results[name]['text']}")
     kept = [name for name, ok in zip(results, holm([r["p"] for r in results.values()])) if ok]
     print("  Holm over the two (5% family-wise): " + ("; ".join(kept) + " survive" if kept else "none survives"))
+
+
+def report_power(args: Args) -> None:
+    """The confirmation's power analysis: each undecided pair's per-seed differences on the archived seeds 1-5 (their
+    mean and SD: the effect to confirm, overestimated if anything, as the pairs were extended because of it), and
+    the power of n fresh seeds to show it at level 0.025 (Holm's first step over two: passing there survives Holm
+    whatever the other does, so this is a lower bound on the power under Holm), at the archived effect and at half."""
+    runs_dir = args.runs_dir or os.path.join(HERE, "runs", "compute_optimal")
+    seeds, curves = [1, 2, 3, 4, 5], {}
+    for name, pair in UNDECIDED.items():
+        for setting, label in pair:
+            for seed in seeds:
+                folder = os.path.join(runs_dir, run_name(setting, label, seed))
+                if not os.path.exists(os.path.join(folder, "metrics.jsonl")):
+                    sys.exit(f"no {folder}: unpack docs/runs/compute_optimal.tar.xz into benchmarks/runs")
+                curves[setting, label, seed] = read_curve(folder)
+    print("The confirmation's power (differences of the final gold win rate, paired by seed, archived seeds 1-5; "
+          "power at level 0.025, two-sided):")
+    for name, (a, b) in UNDECIDED.items():
+        differences = [x - y for x, y in zip(finals(curves, a, seeds), finals(curves, b, seeds))]
+        mean, sd = statistics.mean(differences), statistics.stdev(differences)
+        print(f"  {name}: per seed {', '.join(f'{d:+.4f}' for d in differences)}; mean {mean:+.4f}, SD {sd:.4f}")
+        for effect, words in ((mean, "the archived effect"), (mean / 2, "half of it")):
+            print(f"    at {words} ({effect:+.4f}): " + ", ".join(
+                f"n = {n}: {power(effect, sd, n, level=0.025):.2f}" for n in range(4, 13, 2)))
+
+
+def report_confirmation(curves: dict, args: Args) -> None:
+    """The confirmation on fresh seeds: each undecided pair paired by seed (two-sided t, its 95% interval and p),
+    Holm over the two; a pair is confirmed when it survives Holm above 0 (the sign both were predicted with)."""
+    print(f"\nThe confirmation on fresh seeds {args.seeds[0]}-{args.seeds[-1]} alone (registered before its runs: "
+          "the final gold win rate, paired by seed, two-sided t; Holm over the two, 5% family-wise):")
+    results = {name: gap(finals(curves, a, args.seeds), finals(curves, b, args.seeds), interval=True)
+               for name, (a, b) in UNDECIDED.items()}
+    p_values = [p_value(r["t"], r["df"]) for r in results.values()]
+    for (name, result), p, kept in zip(results.items(), p_values, holm(p_values)):
+        verdict = "confirmed" if kept and result["mean"] > 0 else "not confirmed"
+        print(f"  {name}: {result['text']}; p = {p:.4f}; Holm: {'survives' if kept else 'does not survive'}: "
+              f"{verdict}")
 
 
 def design(args: Args) -> dict:
@@ -280,12 +342,20 @@ def design(args: Args) -> dict:
         rows["training-bound", f"{schedule} K = {k}{control}"] = (
             scripts[schedule], args.training_bound_batch, episodes, episodes // args.training_bound_evaluations, 1,
             k, args.training_bound_lr / scale)
+    if args.confirm:
+        return {row: rows[row] for pair in UNDECIDED.values() for row in pair}
     return rows
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
+    if args.confirm_power:
+        report_power(args)
+        sys.exit(0)
+    if args.confirm:
+        args.t_values, args.k_control = [1, 2], True
+        args.seeds = args.seeds if "--seeds" in sys.argv else CONFIRMATION_SEEDS
     extra = ["--num_final_eval_prompts", "512"]
     if args.quick:
         args.seeds, args.t_values, args.generation_bound_episodes, args.k_control = args.seeds[:1], [2], 32, False
@@ -296,12 +366,13 @@ if __name__ == "__main__":
             sys.exit(f"the episodes ({episodes}) and the evaluation interval ({eval_every}) must be multiples of the "
                      f"batch ({batch})")
 
-    runs_dir, keep_runs = sweep_folder(args.runs_dir, "compute_optimal", args.quick)
+    runs_dir, keep_runs = sweep_folder(args.runs_dir, "compute_optimal_confirm" if args.confirm else "compute_optimal",
+                                       args.quick)
     curves, sweep_start = {}, time.time()
     try:
         for index, ((setting, label), (script, batch, episodes, eval_every, t, k, row_lr)) in enumerate(rows.items()):
             for seed in args.seeds:
-                name = f"{setting}_{label.replace(' = ', '').replace(',', '').replace(' ', '_')}_seed{seed}"
+                name = run_name(setting, label, seed)
                 output_dir = os.path.join(runs_dir, name)
                 train(script, [
                     "--tiny_dir", args.tiny_dir, "--seed", str(seed), "--batch_size", str(batch),
@@ -335,6 +406,10 @@ if __name__ == "__main__":
     report_matched_kl(curves, rows, args)
     if 1 in args.t_values and len(args.t_values) > 1:
         report_t_contrasts(curves, args)
+    if args.confirm:
+        report_confirmation(curves, args)
+        print(f"\nwhole sweep: {(time.time() - sweep_start) / 60:.1f} min (no plots: the confirmation is its lines)")
+        sys.exit(0)
     if args.k_control:
         report_k_control(curves, args)
     if len(args.seeds) > args.first_stage >= 2 and len(args.seeds) - args.first_stage >= 2:

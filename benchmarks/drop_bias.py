@@ -21,7 +21,6 @@ import functools
 import json
 import math
 import os
-import random
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # (the benchmarks' helpers, and tiny_world and plumbing)
 from fully_async import B, folder_name, stream  # noqa: E402
 from fully_async_demo import run as run_once  # noqa: E402
-from stats import gap, holm_line, judged, mean_and_stderr, t_95  # noqa: E402
+from stats import gap, holm_line, judged, mean_and_stderr, power  # noqa: E402
 
 STEPS = 48  # optimizer steps a run (B = 16 groups of K = 4)
 HARD = 3  # a problem of this many steps or more is hard
@@ -124,16 +123,6 @@ def run_arm(name: str, seed: int, args: Args, steps_of) -> dict:
             json.dump(dict(**mix(path, steps_of()), pass_at_1=pass_by_difficulty(path)), f)
     figures = json.load(open(cached))
     return dict(figures, seconds_per_step=train[-1]["time/elapsed"] / len(train), eval=evals[-1]["eval/pass_at_1"])
-
-
-def power(mean: float, sd: float, n: int, below: float = 0.0, draws: int = 20000) -> float:
-    """The share of simulated n-seed experiments (paired differences normal with this mean and SD) whose two-sided
-    95% t-interval lies below `below` (0: the effect shown; -MARGIN: shown past the margin): the design's power."""
-    rng, threshold, shown = random.Random(0), t_95(n - 1), 0
-    for _ in range(draws):
-        m, se = mean_and_stderr([rng.gauss(mean, sd) for _ in range(n)])
-        shown += m + threshold * se < below
-    return shown / draws
 
 
 def report_pilot(results: dict) -> None:

@@ -12,6 +12,7 @@ comparison extended to more seeds because it was inconclusive, by a two-stage co
 all agree, by the sign-flip p beside t (`sign_flip_p`). Every ± these functions print is a standard error.
 """
 import math
+import random
 import statistics
 from typing import Optional
 
@@ -264,3 +265,26 @@ def two_stage(values: list[float], baseline: list[float], first: int, predicted:
                 text=f"seeds 1-{first}: {parts[0]}; seeds {first + 1}-{len(d)}: {parts[1]}; combined p = {p:.3f} "
                      f"(inverse normal, weights sqrt({first}/{len(d)}) and sqrt({len(d) - first}/{len(d)}), "
                      "two-sided): " + ("passes" if p < 0.05 else "inconclusive") + " at 5%")
+
+
+def t_threshold(df: int, level: float) -> float:
+    """The two-sided threshold of the t-distribution at `df` degrees of freedom for `level` (0.05: t_95's tabled
+    value; any other level: the |t| whose p_value is `level`, by bisection)."""
+    if level == 0.05:
+        return t_95(df)
+    low, high = 0.0, 1000.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if p_value(middle, df) > level else (low, middle)
+    return high
+
+
+def power(mean: float, sd: float, n: int, beyond: float = 0.0, level: float = 0.05, draws: int = 20000) -> float:
+    """A design's power: the share of simulated n-seed experiments (paired differences normal with this mean and SD)
+    whose two-sided (1 - level) t-interval lies wholly past `beyond` on the mean's side (beyond = 0: the effect
+    shown; a margin: shown past it). Seeded, so a registration's figures reprint."""
+    rng, threshold, shown, side = random.Random(0), t_threshold(n - 1, level), 0, 1 if mean > beyond else -1
+    for _ in range(draws):
+        m, se = mean_and_stderr([rng.gauss(mean, sd) for _ in range(n)])
+        shown += side * (m - beyond) - threshold * se > 0
+    return shown / draws
