@@ -68,7 +68,7 @@ PROXY_AGREEMENT = 0.8  # the proxy trains until it orders this share of held-out
 WORLDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worlds")
 SHIPPED = {"tldr": os.path.join(WORLDS, "tldr-v3"), "gsm8k": os.path.join(WORLDS, "gsm8k-v2"),  # --tiny_dir's default
            "chains": os.path.join(WORLDS, "chains-v1"), "tools": os.path.join(WORLDS, "tools-v1"),
-           "chat-tools": os.path.join(WORLDS, "chat-tools-v1")}
+           "chat-tools": os.path.join(WORLDS, "chat-tools-v1"), "calls": os.path.join(WORLDS, "calls-v1")}
 CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks a world by hand
 NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every file)
     "tldr": ("world.json", "data/train.jsonl", "data/validation.jsonl", "sft/model.safetensors",
@@ -77,6 +77,7 @@ NEEDED = {  # what a script reads of each kind of world (SHA256SUMS lists every 
               "sft/model.safetensors"),
     "chains": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
     "tools": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
+    "calls": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
     "chat-tools": ("world.json", "data/train.jsonl", "data/test.jsonl", "sft/model.safetensors"),
 }
 
@@ -862,8 +863,13 @@ def greedy_answers(policy, tokenizer, rows: list[dict], max_tokens: int) -> tupl
     last "####") is the reference's."""
     prompts = encode(tokenizer, [MATH_PROMPT.format(question=r["question"]) for r in rows])
     completions = sample(policy, prompts, tokenizer.eos_token_id, 0.0, max_tokens)
+    return completions, right_answers(tokenizer, completions, rows)
+
+
+def right_answers(tokenizer, completions: list[list[int]], rows: list[dict]) -> list[bool]:
+    """Whether each completion's answer (its text after the last "####") is its row's reference's."""
     answers = [tokenizer.decode(c, skip_special_tokens=True).split("####")[-1].strip() for c in completions]
-    return completions, [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+    return [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
 
 
 def math_pass_at_1(policy, tokenizer, rows: list[dict]) -> float:
@@ -944,10 +950,11 @@ def chain_steps(rng: random.Random) -> int:
     return steps
 
 
-def make_chain_problem(rng: random.Random) -> dict:
+def make_chain_problem(rng: random.Random, steps: Optional[int] = None) -> dict:
     """A GSM8k-shaped row (`question`, `answer`: one worked line per step, then "#### N") of a chain of additions
-    and subtractions that keeps its count between 0 and 99, and its number of steps."""
-    name, item, value, steps = rng.choice(MATH_NAMES), rng.choice(MATH_ITEMS), rng.randint(1, 30), chain_steps(rng)
+    and subtractions that keeps its count between 0 and 99, and its number of steps (`steps`, else chain_steps')."""
+    name, item, value = rng.choice(MATH_NAMES), rng.choice(MATH_ITEMS), rng.randint(1, 30)
+    steps = chain_steps(rng) if steps is None else steps
     sentences, lines = [f"{name} has {value} {item}."], []
     for _ in range(steps):
         operation = "-" if value > 1 and (value > 79 or rng.random() < 0.5) else "+"
@@ -1079,11 +1086,11 @@ def tool_pieces(row: dict) -> list[tuple[str, bool]]:
     return pieces + [(row["answer"].split("\n")[-1], True)]
 
 
-def make_tool_problem(rng: random.Random, distractors: float = 0.5) -> dict:
-    """A chain problem with other people's counts woven in (each sentence after the first followed by another
-    person's move with probability `distractors`): the policy must read which numbers are its chain's before it
-    calls the tool, which does only the arithmetic."""
-    row = make_chain_problem(rng)
+def make_tool_problem(rng: random.Random, distractors: float = 0.5, steps: Optional[int] = None) -> dict:
+    """A chain problem (of `steps` steps, else chain_steps') with other people's counts woven in (each sentence after
+    the first followed by another person's move with probability `distractors`): the policy must read which numbers
+    are its chain's before it calls the tool, which does only the arithmetic."""
+    row = make_chain_problem(rng, steps)
     sentences = row["question"].split(". ")
     name = sentences[0].split()[0]
     others = [n for n in MATH_NAMES if n != name]
@@ -1095,6 +1102,18 @@ def make_tool_problem(rng: random.Random, distractors: float = 0.5) -> dict:
             woven.append(rng.choice(CHAIN_MOVES[rng.choice("+-")]).format(n=other, b=b).rstrip("."))
     woven.append(sentences[-1])
     return {**row, "question": ". ".join(woven)}
+
+
+CALLS = (1, 2, 4)  # the calls world's chains: as many calls as steps, a third of the problems each
+CALLS_DISTRACTORS = 0.25  # (tools-v1's 0.5 left its SFT policy at 0.25 on two steps, 0.00 on four: see tiny_world.md)
+CALLS_SFT_STEPS = 300  # a 400-step probe read pass@1 0.085, 0.32, 0.55 at steps 150, 200, 300 (4 calls: 0.21 at 300)
+
+
+def make_calls_problem(rng: random.Random) -> dict:
+    """The calls world's problem: a tool problem of 1, 2 or 4 steps (a third each), fewer people's moves woven in
+    than tools-v1's, so that the SFT policy solves each length at a useful rate and an experiment can vary the turns
+    an episode takes."""
+    return make_tool_problem(rng, CALLS_DISTRACTORS, rng.choice(CALLS))
 
 
 def tool_episodes(policy, tokenizer, rows: list[dict], temperature: float = 0.0, max_turns: int = 16,
@@ -1124,8 +1143,7 @@ def tool_report(policy, tokenizer, rows: list[dict]) -> dict:
     and lengths in tokens."""
     episodes = tool_episodes(policy, tokenizer, rows)
     end_call = tokenizer.convert_tokens_to_ids(END_CALL)
-    answers = [tokenizer.decode(e, skip_special_tokens=True).split("####")[-1].strip() for e in episodes]
-    right = [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+    right = right_answers(tokenizer, episodes, rows)
     turns, lengths = sorted(e.count(end_call) + 1 for e in episodes), sorted(map(len, episodes))
     return {**pass_at_1_by_steps(rows, right),
             "sft_turns_p50": turns[len(turns) // 2], "sft_turns_p90": turns[int(0.9 * len(turns))],
@@ -1148,16 +1166,34 @@ def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     return paths
 
 
-def build_tools_here(tiny_dir: str, quick: str = "0") -> None:
-    """The tool world's build itself (build_tools runs it in a child process)."""
+def build_calls(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
+    """Build the calls world into `tiny_dir` unless one is there: the tool world's recipe on problems of 1, 2 or 4
+    calls (make_calls_problem), for the experiment that varies the turns an episode takes (docs/agentic.md).
+    `quick`: a tenth of the problems and 5 SFT steps. Returns the SFT policy's and the dataset's folders."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
+    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
+        build_in_own_process("calls", tiny_dir, str(int(quick)))
+    return paths
+
+
+def build_calls_here(tiny_dir: str, quick: str = "0") -> None:
+    """The calls world's build itself (build_calls runs it in a child process)."""
+    build_tools_here(tiny_dir, quick, "calls")
+
+
+def build_tools_here(tiny_dir: str, quick: str = "0", kind: str = "tools") -> None:
+    """The tool world's build itself (build_tools runs it in a child process); `kind` "calls": the calls world's."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
-    progress = Progress("the chains with a calculator" + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (5, 10) if quick else (TOOLS_SFT_STEPS, 1)
+    make_problem, steps, what = {"tools": (make_tool_problem, TOOLS_SFT_STEPS, "the chains with a calculator"),
+                                 "calls": (make_calls_problem, CALLS_SFT_STEPS, "1, 2 or 4 calls")}[kind]
+    progress = Progress(what + " (quick)" * quick, tiny_dir)
+    sft_steps, scale = (5, 10) if quick else (steps, 1)
     with deterministic(0) as rng:
-        train, test = problem_splits(make_tool_problem, rng, scale)
+        train, test = problem_splits(make_problem, rng, scale)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100
         texts = [r["question"] + "".join(text for text, _ in tool_pieces(r)) for r in train]
         tokenizer = build_math_tokenizer(texts + digits)
@@ -1244,8 +1280,7 @@ def chat_tool_report(policy, tokenizer, rows: list[dict], max_turns: int = 16, m
         active = still
         if not active:
             break
-    answers = [tokenizer.decode(e, skip_special_tokens=True).split("####")[-1].strip() for e in episodes]
-    right = [a == r["answer"].split("####")[-1].strip() for a, r in zip(answers, rows)]
+    right = right_answers(tokenizer, episodes, rows)
     turns, lengths = sorted(turns), sorted(map(len, episodes))
     return {**pass_at_1_by_steps(rows, right),
             "sft_turns_p50": turns[len(turns) // 2], "sft_turns_p99": turns[int(0.99 * len(turns))],
@@ -1300,12 +1335,13 @@ if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--qu
     if sys.argv[1:2] == ["--build"]:  # (build_in_own_process's child)
         kind, folder, *options = sys.argv[2:]
         {"tldr": build_tldr_here, "gsm8k": build_gsm8k_here, "chains": build_chains_here, "tools": build_tools_here,
-         "chat-tools": build_chat_tools_here, "sized": build_sized_here}[kind](folder, *options)
+         "chat-tools": build_chat_tools_here, "calls": build_calls_here,
+         "sized": build_sized_here}[kind](folder, *options)
         sys.exit()
     import argparse
 
     parser = argparse.ArgumentParser(description="Build a toy world into a folder (nothing is built over one).")
-    parser.add_argument("kind", choices=["tldr", "gsm8k", "chains", "tools", "chat-tools", "sized"])
+    parser.add_argument("kind", choices=["tldr", "gsm8k", "chains", "tools", "chat-tools", "calls", "sized"])
     parser.add_argument("folder")
     parser.add_argument("--quick", action="store_true", help="the same layout on a fraction of the work (tests)")
     parser.add_argument("--base", default=SHIPPED["tldr"], help="sized: the TL;DR world the sizes are built beside")
@@ -1314,6 +1350,6 @@ if __name__ == "__main__":  # python tiny_world.py tldr|gsm8k|sized FOLDER [--qu
         build_sized(cli.folder, cli.base, cli.quick)
     else:
         {"tldr": build_tldr, "gsm8k": build_gsm8k, "chains": build_chains, "tools": build_tools,
-         "chat-tools": build_chat_tools}[cli.kind](
+         "chat-tools": build_chat_tools, "calls": build_calls}[cli.kind](
             cli.folder, cli.quick)
     print(open(os.path.join(os.path.expanduser(cli.folder), "world.json")).read())

@@ -1,6 +1,7 @@
 """The toy worlds (tiny_world.py): the judge on hand-made summaries, the data's design, the targets the build must
 reach, recomputed from the shipped world rather than read from its report; the builder, on a quick build of each
 world, laid out as the shipped one; and a damaged world refused, naming the file."""
+import collections
 import json
 import os
 import random
@@ -134,18 +135,20 @@ def test_the_calculator_answers_or_says_error(expression, result):
     assert tiny_world.tool_answer(result) == (" = error\n" if result is None else f" = {result}\n")
 
 
-def test_the_tool_worlds_sft_policy_calls_the_tool_and_solves_what_its_report_says():
-    """The shipped tool world: its worked solutions are a call per step, each answered by the tool, then the final
+@pytest.mark.parametrize("kind", ["tools", "calls"])
+def test_the_tool_worlds_sft_policy_calls_the_tool_and_solves_what_its_report_says(kind):
+    """The shipped tool worlds: their worked solutions are a call per step, each answered by the tool, then the final
     answer; the SFT policy trained on them (the tool's answers masked) solves the test problems with the tool,
     greedily, as often as its report says (recomputed here: 400 problems, every turn through the calculator), most
     episodes taking more than one turn. The problems are chains with other people's moves woven in: a question of
-    more than one step names another person about as often as not (the policy must pick its chain's numbers)."""
-    folder = tiny_world.SHIPPED["tools"]
-    sft, data, _ = tiny_world.math_world(folder, "tools")
+    more than one step names another person often (the policy must pick its chain's numbers). The calls world's
+    problems take 1, 2 or 4 calls, about a third each, and its policy solves each length at a useful rate."""
+    folder = tiny_world.SHIPPED[kind]
+    sft, data, _ = tiny_world.math_world(folder, kind)
     rows = [json.loads(line) for line in open(os.path.join(data, "test.jsonl"))]
     longer = [r for r in rows if r["steps"] > 1]
     woven = [r for r in longer if len({w for w in r["question"].split() if w in tiny_world.MATH_NAMES}) > 1]
-    assert 0.4 < len(woven) / len(longer) < 0.95, len(woven) / len(longer)
+    assert {"tools": 0.4, "calls": 0.25}[kind] < len(woven) / len(longer) < 0.95, len(woven) / len(longer)
     pieces = tiny_world.tool_pieces(rows[0])
     steps = rows[0]["answer"].count("\n")
     assert len(pieces) == 2 * steps + 1 and [keep for _, keep in pieces] == [True, False] * steps + [True]
@@ -156,6 +159,10 @@ def test_the_tool_worlds_sft_policy_calls_the_tool_and_solves_what_its_report_sa
     recomputed = tiny_world.tool_report(policy, tokenizer, rows)
     assert recomputed["sft_test_pass_at_1"] == pytest.approx(report["sft_test_pass_at_1"], abs=1e-9)
     assert recomputed["sft_turns_p50"] >= 2 and 0.15 < recomputed["sft_test_pass_at_1"] < 0.7
+    if kind == "calls":
+        counts = collections.Counter(r["steps"] for r in rows)
+        assert set(counts) == {1, 2, 4} and min(counts.values()) > len(rows) / 4, counts
+        assert min(recomputed["sft_pass_at_1_by_steps"].values()) > 0.1, recomputed["sft_pass_at_1_by_steps"]
 
 
 def layout(folder: str) -> set:
