@@ -23,6 +23,7 @@ against k, an arm a line). A run whose folder holds its final evaluation is read
     python benchmarks/agentic.py --demo     # the README's demo over three seeds, and its gain (about 8 minutes)
 """
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -81,6 +82,7 @@ def run(name: str, args: Args, *flags: str) -> dict:
                 spanning=statistics.mean(r["episode/multi_version_fraction"] for r in steps),
                 turns=statistics.mean(r["episode/turns_mean"] for r in steps),
                 lag=statistics.mean(r["lag/kl_token"] for r in steps),
+                token_staleness=statistics.mean(r.get("staleness/token_mean", math.nan) for r in steps),
                 seconds=steps[-1]["time/elapsed"])
 
 

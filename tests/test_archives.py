@@ -39,6 +39,7 @@ REPRINTS = {
         "--no-recompute_at_largest_n", "--total_episodes", "8192", "--learning_rate", lr)) for lr in ("3e-4", "1e-3")},
     "compute_optimal": ("compute_optimal", "compute_optimal.py", ()),
     "compute_optimal, five seeds": ("compute_optimal", "compute_optimal.py", ("--seeds", "1", "2", "3", "4", "5")),
+    "compute_optimal, the confirmation": ("compute_optimal_confirm", "compute_optimal.py", ("--confirm",)),
     "scaling": ("scaling", "scaling.py", ("--reprint",)),
     "gsm8k": ("gsm8k_async_vs_sync", "gsm8k_async_vs_sync.py", ()),
     "gsm8k, five seeds": ("gsm8k_async_vs_sync", "gsm8k_async_vs_sync.py", ("--seeds", "1", "2", "3", "4", "5")),
@@ -54,7 +55,8 @@ REPRINTS = {
 # (doc, heading): the reprints whose figures its section quotes
 SECTIONS = {
     ("results.md", "The five-seed results"): ["off_policy, five seeds", "compute_optimal, five seeds",
-                                              "gsm8k, five seeds", "fully_async, table 1"],
+                                              "compute_optimal, the confirmation", "gsm8k, five seeds",
+                                              "fully_async, table 1"],
     ("results.md", "Off-policy tolerance"): ["off_policy"],
     ("results.md", "Why Online DPO tolerates stale data"): ["DPO's controls", "CoPG at lr 3e-4", "CoPG at lr 1e-3"],
     ("results.md", "Sizes against stale data"): ["scaling"],
@@ -220,6 +222,10 @@ PRINTED = {
     "compute_optimal": ["| generation-bound | T = 2 |", "| training-bound | async K = 4 |",
                         "generation / training ", "'s regime: ", "the sampled KL(pi || SFT) where the gold win rate",
                         "0 (identical by construction: the same SFT samples at either schedule; not judged)"],
+    "compute_optimal, the confirmation": [
+        "T = 2 - T = 1: +0.076 ± 0.018 (t = 4.3, threshold 2.37: passes; 95% interval +0.035 to +0.118); p = 0.0034; "
+        "Holm: survives: confirmed", "K = 4 - K = 2, full lr and episodes: +0.014 ± 0.006 (t = 2.3, threshold 2.37: "
+        "inconclusive; 95% interval -0.000 to +0.029); p = 0.0549; Holm: does not survive: not confirmed"],
     "compute_optimal, five seeds": ["judged by the two-stage combination", "Holm over the two (5% family-wise)",
                                     "K = 4 - K = 2, full lr and episodes: seeds"],
 }
