@@ -28,6 +28,12 @@ its folder in --runs_dir; a finished run is read, not run again (the sweep resum
     python benchmarks/fully_async.py                # every table: about 3 hours on 2 idle cores
     python benchmarks/fully_async.py --tables 2 3   # some of them
     python benchmarks/fully_async.py --quick        # one short run: checks it, measures nothing
+    python benchmarks/fully_async.py --tables 5 --runs_dir benchmarks/runs/fully_async_speed   # 5. the speed rerun
+    python benchmarks/fully_async.py --speed_precision --runs_dir benchmarks/runs/fully_async_schedules
+
+  5. the three registered speed-ups rerun on fresh seeds (docs/fully_async.md: registered before its runs): k = 0,
+     k = 1 and k = 2 `pace`, k = 2 `drop`, seed by seed; each speed-up a factor on log seconds with its interval,
+     Holm over the three. --speed_precision: the interval each n of seeds can expect, from table 1's three seeds.
 """
 import math
 import os
@@ -39,9 +45,9 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fully_async_demo import histogram  # noqa: E402
+from fully_async_demo import finished, histogram  # noqa: E402
 from fully_async_demo import run as run_once  # noqa: E402
-from stats import factor, fmt, gap, holm_line  # noqa: E402
+from stats import factor, fmt, gap, holm_line, t_95  # noqa: E402
 
 B = 16  # groups a step (the demo's)
 
@@ -53,7 +59,12 @@ class Args:
     inflight_seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     """seeds of table 3 (in flight against draining), each seed's pair run back to back"""
     tables: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
-    """which tables to run and print"""
+    """which tables to run and print (5: the speed rerun, not in the default)"""
+    speed_seeds: list[int] = field(default_factory=lambda: list(range(11, 17)))
+    """seeds of table 5, the speed rerun: fresh (the registered 11-16)"""
+    speed_precision: bool = False
+    """the speed rerun's precision analysis from table 1's archived seeds (--runs_dir: that sweep's folder): runs
+    nothing"""
     steps: int = 48
     """optimizer steps a run at B = 16 (a run at a smaller B takes as many completions: more steps)"""
     runs_dir: str = os.path.join(HERE, "runs", "fully_async")
@@ -92,6 +103,9 @@ DRAIN_OR_INFLIGHT = {"designed, drain then reload": stream(2, "pace", *DESIGN),
 # Table 4: time to the one-step run's final pass@1, evaluated every eighth of the run
 TO_TARGET = {"k = 1, pace, evaluated often": stream(1),
              "k = 2, drop (room 2(k+1)B), evaluated often": stream(2, "drop")}
+# Table 5: the three pre-registered speed comparisons against k = 0, rerun on fresh seeds
+SPEED = {name: SCHEDULES[name] for name in ("k = 0 (synchronous)", "k = 1, pace", "k = 2, pace",
+                                            "k = 2, drop (room 2(k+1)B)")}
 QUICK = ("k = 2, drop (default room)",)  # (the tables: on the archived sweeps, docs/runs/fully_async*.tar.xz)
 
 
@@ -144,8 +158,8 @@ def whole_run(runs: dict, key: str) -> float:
     return statistics.mean(steps[-1][key] for steps, _, _ in runs.values())
 
 
-def report_schedules(results: dict) -> None:
-    print("\n1. The schedules (B = 16 groups of 4; pass@1 greedy on the same test problems at step 0 and at the end; "
+def report_schedules(results: dict, title: str = "1. The schedules") -> None:
+    print(f"\n{title} (B = 16 groups of 4; pass@1 greedy on the same test problems at step 0 and at the end; "
           "mean ± s.e. over seeds):")
     base = next(iter(results.values()))
     print(f"   SFT policy: {fmt([evals[0]['eval/pass_at_1'] for _, evals, _ in base.values()])}")
@@ -191,6 +205,25 @@ def report_schedules(results: dict) -> None:
         print(f"   {holm_line(speeds, 'over the three pre-registered speed comparisons')}")
         on_logs = [(label, factors[label]) for label in registered]
         print(f"   {holm_line(on_logs, 'over the same three on log seconds')}")
+
+
+def report_precision(args: Args) -> None:
+    """The speed rerun's precision analysis: each registered speed-up's per-seed log ratios in table 1's archived
+    seeds, their SD, and the 95% interval of the factor n seeds can expect at that SD (exp(+-t sd / sqrt(n)))."""
+    missing = [name for name in SPEED for seed in args.seeds
+               if not finished(os.path.join(args.runs_dir, folder_name(name, seed)))]
+    if missing:
+        sys.exit(f"{args.runs_dir} lacks table 1's runs ({missing[0]}, ...): unpack "
+                 "docs/runs/fully_async_schedules.tar.xz into benchmarks/runs and pass its folder")
+    results = sweep(SPEED, args.seeds, args)  # (every run finished: read back)
+    sync = seconds(results["k = 0 (synchronous)"])
+    print(f"The speed-ups' precision (table 1, seeds {args.seeds}: log(k = 0's seconds / the schedule's)):")
+    for name in list(SPEED)[1:]:
+        logs = [math.log(a / b) for a, b in zip(sync, seconds(results[name]))]
+        sd = statistics.stdev(logs)
+        print(f"  {name}: per seed {', '.join(f'{x:.3f}' for x in logs)}; SD {sd:.3f}; the factor's 95% interval, "
+              "times or divided by: " + ", ".join(f"n = {n}: {math.exp(t_95(n - 1) * sd / math.sqrt(n)):.2f}"
+                                                  for n in (3, 4, 6, 8, 10)))
 
 
 def report_objectives(objectives: dict, schedules: dict) -> None:
@@ -321,7 +354,10 @@ def plot(results: dict, path: str) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     os.makedirs(args.plot_dir, exist_ok=True)  # before the sweep, so a path that cannot be made fails at once
-    schedules, objectives, inflight, to_target = {}, {}, {}, {}
+    if args.speed_precision:
+        report_precision(args)
+        sys.exit(0)
+    schedules, objectives, inflight, to_target, speed = {}, {}, {}, {}, {}
     if 1 in args.tables or 2 in args.tables:  # (the schedules, `drop` last; table 2 reads the `pace` ones)
         keep = [*SCHEDULES, *DEFAULT_ROOM] if 1 in args.tables else ["k = 2, pace", "k = 4, pace", "k = 8, pace"]
         order = {name: flags for name, flags in {**SCHEDULES, **(DEFAULT_ROOM if args.quick else {})}.items()
@@ -335,6 +371,8 @@ if __name__ == "__main__":
         inflight = sweep(DRAIN_OR_INFLIGHT, args.inflight_seeds, args)
     if 4 in args.tables and not args.quick:
         to_target = sweep(TO_TARGET, args.seeds, args)
+    if 5 in args.tables and not args.quick:
+        speed = sweep(SPEED, args.speed_seeds, args)
     if 1 in args.tables:
         report_schedules(schedules)
         plot(schedules, os.path.join(args.plot_dir, "fully_async.png"))
@@ -344,3 +382,5 @@ if __name__ == "__main__":
         report_inflight(inflight)
     if to_target:
         report_to_target(to_target)
+    if speed:
+        report_schedules(speed, f"5. The speed rerun on fresh seeds {args.speed_seeds}")
