@@ -17,8 +17,9 @@ import os
 import sys
 import tarfile
 
-MARKERS = ("regime.txt", "done", "drop_bias.json")  # what fully_async.py and capacity.py read to tell a finished
-# run; drop_bias.py's figures of a run (from its groups and its saved policy, neither kept)
+MARKERS = ("regime.txt", "done", "drop_bias.json", "by_calls.json")  # what fully_async.py and capacity.py read to
+# tell a finished run; drop_bias.py's and staleness_by_calls.py's figures of a run (from its groups and its saved
+# policy, neither kept)
 SAMPLES_KEPT = 2
 ROLLOUT_KEYS = ("index", "prompt", "responses", "fate")  # of a --record_rollouts run: what capacity.py's fit reads
 

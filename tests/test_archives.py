@@ -46,11 +46,13 @@ REPRINTS = {
     "lora": ("lora", "lora.py", ("--tables", "learning")),
     "fully_async, table 1": ("fully_async_schedules", "fully_async.py", ("--tables", "1")),
     "fully_async, tables 2-4": ("fully_async", "fully_async.py", ("--tables", "2", "3", "4")),
+    "fully_async, the speed rerun": ("fully_async_speed", "fully_async.py", ("--tables", "5")),
     "agentic": ("agentic", "agentic.py", ()),
     "agentic, the demo": ("agentic", "agentic.py", ("--demo",)),
     "capacity": ("capacity", "capacity.py", ()),
     "drop_bias": ("drop_bias", "drop_bias.py", ()),
     "drop_bias, the pilot": ("drop_bias", "drop_bias.py", ("--pilot",)),
+    "staleness_by_calls, the pilot": ("staleness_by_calls", "staleness_by_calls.py", ("--pilot",)),
 }
 # (doc, heading): the reprints whose figures its section quotes
 SECTIONS = {
@@ -62,7 +64,8 @@ SECTIONS = {
     ("results.md", "Sizes against stale data"): ["scaling"],
     ("results.md", "Which knob for which bottleneck"): ["compute_optimal", "compute_optimal, five seeds"],
     ("results.md", "Fully asynchronous schedules"): ["fully_async, table 1", "fully_async, tables 2-4"],
-    ("fully_async.md", "The schedules measured"): ["fully_async, table 1", "fully_async, tables 2-4", "drop_bias"],
+    ("fully_async.md", "The schedules measured"): ["fully_async, table 1", "fully_async, tables 2-4", "drop_bias",
+                                                   "fully_async, the speed rerun"],
     ("agentic.md", "Results"): ["agentic", "agentic, the demo"],
     ("gsm8k.md", "GSM8k"): ["gsm8k", "gsm8k, five seeds"],
     ("lora.md", "Measured"): ["lora"],
@@ -88,7 +91,7 @@ def reprint(name: str, folder: str) -> str:
     """What the reprint `name` prints, its runs read from the unpacked archive; it must start nothing."""
     archive, benchmark, flags = REPRINTS[name]
     plots = ("--plot_path", os.path.join(folder, "plot.png")) if benchmark == "gsm8k_async_vs_sync.py" else (
-        () if benchmark == "lora.py" else ("--plot_dir", folder))
+        () if benchmark in ("lora.py", "staleness_by_calls.py") else ("--plot_dir", folder))
     result = subprocess.run([sys.executable, "-c", GUARD, os.path.join(REPO, "benchmarks", benchmark), *flags,
                              "--runs_dir", unpacked(archive, folder), *plots], capture_output=True, text=True,
                             cwd=REPO, timeout=600)
@@ -219,6 +222,15 @@ PRINTED = {
                   "Holm over the four registered bias comparisons (4 comparisons", "k = 2, drop / pace: ",
                   "3+ against pace: "],
     "drop_bias, the pilot": ["drop - pace, paired: mean -0.0841, SD 0.0103"],
+    "fully_async, the speed rerun": ["5. The speed rerun on fresh seeds [11, 12, 13, 14, 15, 16]",
+                                     "Holm over the same three on log seconds (3 comparisons, 5% family-wise): 3 "
+                                     "survive"],
+    "staleness_by_calls, the pilot": [
+        "learning rate 0.0001, k = 0, seed 101: pass@1 0.583 (gain +0.035)",
+        "learning rate 0.0003, k = 0, seed 101: pass@1 0.545 (gain -0.002)",
+        "learning rate 0.001, k = 0, seed 101: pass@1 0.043 (gain -0.505)",
+        "greedy pass@1 every 48 steps: 0: 0.547, 48: 0.552, 96: 0.583, 144: 0.570, 192: 0.610, 240: 0.585, 288: "
+        "0.583, 336: 0.605, 384: 0.595; the best gain +0.062", "the design is not registered"],
     "compute_optimal": ["| generation-bound | T = 2 |", "| training-bound | async K = 4 |",
                         "generation / training ", "'s regime: ", "the sampled KL(pi || SFT) where the gold win rate",
                         "0 (identical by construction: the same SFT samples at either schedule; not judged)"],
