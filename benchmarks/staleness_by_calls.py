@@ -15,7 +15,8 @@ order and the SFT weights):
 The outcome is the final policy's greedy pass@1 by the problem's number of calls (transformers, every call through
 the calculator, the 400 test problems: tiny_world.tool_report), computed once from the saved policy.
 
-    python benchmarks/staleness_by_calls.py --pilot   # seeds 101-102: the learning rate, the matched bound, the power
+    python benchmarks/staleness_by_calls.py --pilot   # k = 0's gain by learning rate, steps and K (seed 101); once
+                                                      # one gains 0.1: the matched bound and the power (101-102)
     python benchmarks/staleness_by_calls.py           # the registered design
     python benchmarks/staleness_by_calls.py --quick   # one short run: checks it runs, measures nothing
 """
@@ -49,7 +50,8 @@ class Args:
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     """the registered design's seeds (docs/agentic.md: chosen by the power analysis)"""
     pilot: bool = False
-    """seeds 101 and 102: the learning rate (at k = 0), the matched bound and the power analysis"""
+    """the pilot: k = 0's gain by learning rate, steps and group size (seed 101); once one gains TARGET_GAIN, the
+    matched bound and the power analysis (seeds 101 and 102)"""
     runs_dir: str = os.path.join(HERE, "runs", "staleness_by_calls")
     """where every run keeps its folder (a finished run is read, not run again)"""
     quick: bool = False
@@ -146,11 +148,20 @@ def curve(args: Args, sft: dict, seed: int) -> None:
           f"steps (k = 0, seed {seed}), greedy pass@1 every 48 steps: " + ", ".join(
               f"{e['step']}: {e['eval/pass_at_1']:.3f}" for e in evals)
           + f"; the best gain {max(e['eval/pass_at_1'] for e in evals) - sft['pass_at_1']:+.3f}")
-    if max(e["eval/pass_at_1"] for e in evals) - sft["pass_at_1"] < TARGET_GAIN:
+    # A larger group, the same prompts: K = 8 at the best learning rate, 96 steps of 16 groups (the advantage gets
+    # twice the samples a prompt)
+    wide = calls_run(f"pilot_lr{LEARNING_RATES[0]:g}_K8_k0_seed{seed}", seed, args, (
+        *arm_flags("k0", LEARNING_RATES[0], 0), "--num_samples", "8", "--batch_size", "128", "--total_episodes",
+        str(96 * 128)))
+    print(f"K = 8 at {LEARNING_RATES[0]:g} for 96 steps of 16 groups (k = 0, seed {seed}): pass@1 "
+          f"{wide['pass_at_1']:.3f} (gain {wide['pass_at_1'] - sft['pass_at_1']:+.3f}); by calls 1 / 2 / 4: "
+          + " / ".join(f"{wide['by_calls'][c]:.3f}" for c in ("1", "2", "4")))
+    best = max(max(e["eval/pass_at_1"] for e in evals), wide["pass_at_1"]) - sft["pass_at_1"]
+    if best < TARGET_GAIN:
         print(f"k = 0 gains less than {TARGET_GAIN} at every configuration tried: the design is not registered "
               "(docs/agentic.md)")
     else:
-        print("more steps reach it: the design's runs take them (docs/agentic.md)")
+        print("a configuration reaches it: the design takes it (docs/agentic.md)")
 
 
 def header(runs: dict) -> None:

@@ -230,7 +230,9 @@ PRINTED = {
         "learning rate 0.0003, k = 0, seed 101: pass@1 0.545 (gain -0.002)",
         "learning rate 0.001, k = 0, seed 101: pass@1 0.043 (gain -0.505)",
         "greedy pass@1 every 48 steps: 0: 0.547, 48: 0.552, 96: 0.583, 144: 0.570, 192: 0.610, 240: 0.585, 288: "
-        "0.583, 336: 0.605, 384: 0.595; the best gain +0.062", "the design is not registered"],
+        "0.583, 336: 0.605, 384: 0.595; the best gain +0.062",
+        "K = 8 at 0.0001 for 96 steps of 16 groups (k = 0, seed 101): pass@1 0.595 (gain +0.047); by calls 1 / 2 / "
+        "4: 0.814 / 0.720 / 0.295", "the design is not registered"],
     "compute_optimal": ["| generation-bound | T = 2 |", "| training-bound | async K = 4 |",
                         "generation / training ", "'s regime: ", "the sampled KL(pi || SFT) where the gold win rate",
                         "0 (identical by construction: the same SFT samples at either schedule; not judged)"],
