@@ -432,6 +432,15 @@ class Progress:
         return time.time() - self.started
 
 
+def build_math_world(kind: str, tiny_dir: str, quick: bool) -> tuple[str, str]:
+    """A math world of `kind` built into `tiny_dir` unless one is there (in its own process: build_in_own_process);
+    returns its SFT policy's and its dataset's folders."""
+    tiny_dir = os.path.expanduser(tiny_dir)
+    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
+        build_in_own_process(kind, tiny_dir, str(int(quick)))
+    return os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
+
+
 def build_in_own_process(kind: str, tiny_dir: str, *options: str) -> None:
     """Build a world in a child process whose OpenMP threads go to sleep soon when they wait. By default torch's
     threads spin for a while at every barrier, which costs nothing on idle cores; on cores busy with other work a
@@ -885,11 +894,7 @@ def build_gsm8k(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     test asks of a model that knows its arithmetic), and `test_unseen_facts`, 200 problems whose operation and
     operands no training problem has. Built unless one is there. `quick`: the same layout from a seventh of the
     problems and 5 SFT steps (the tests' check of the builder). Returns the SFT policy's and the dataset's folders."""
-    tiny_dir = os.path.expanduser(tiny_dir)
-    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
-    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
-        build_in_own_process("gsm8k", tiny_dir, str(int(quick)))
-    return paths
+    return build_math_world("gsm8k", tiny_dir, quick)
 
 
 def build_gsm8k_here(tiny_dir: str, quick: str = "0") -> None:
@@ -975,11 +980,7 @@ def build_chains(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     asynchronous pipeline, where a synchronous batch waits for its longest completion. `quick`: the same layout
     from a tenth of the problems and 5 SFT steps (the tests' check of the builder). Returns the SFT policy's and
     the dataset's folders."""
-    tiny_dir = os.path.expanduser(tiny_dir)
-    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
-    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
-        build_in_own_process("chains", tiny_dir, str(int(quick)))
-    return paths
+    return build_math_world("chains", tiny_dir, quick)
 
 
 def problem_splits(make_problem, rng: random.Random, scale: int) -> tuple[list, list]:
@@ -1159,22 +1160,14 @@ def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     it calls, the tool computes). A long chain is a long episode: the tail is in turns as well as tokens. `quick`:
     a tenth of the problems and 5 SFT steps (the builder's test). Returns the SFT policy's and the dataset's
     folders."""
-    tiny_dir = os.path.expanduser(tiny_dir)
-    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
-    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
-        build_in_own_process("tools", tiny_dir, str(int(quick)))
-    return paths
+    return build_math_world("tools", tiny_dir, quick)
 
 
 def build_calls(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     """Build the calls world into `tiny_dir` unless one is there: the tool world's recipe on problems of 1, 2 or 4
     calls (make_calls_problem), for the experiment that varies the turns an episode takes (docs/agentic.md).
     `quick`: a tenth of the problems and 5 SFT steps. Returns the SFT policy's and the dataset's folders."""
-    tiny_dir = os.path.expanduser(tiny_dir)
-    paths = os.path.join(tiny_dir, "sft"), os.path.join(tiny_dir, "data")
-    if not os.path.exists(os.path.join(tiny_dir, "world.json")):
-        build_in_own_process("calls", tiny_dir, str(int(quick)))
-    return paths
+    return build_math_world("calls", tiny_dir, quick)
 
 
 def build_calls_here(tiny_dir: str, quick: str = "0") -> None:
