@@ -3,6 +3,7 @@
 puts on `cleanup` is undone, a failed generator (exit 1) or Ctrl-C (130) told in one line, SIGTERM
 saving a checkpoint (--save_every)."""
 import contextlib
+import faulthandler
 import functools
 import gc
 import os
@@ -41,6 +42,9 @@ def run(main: Callable, args) -> None:
     transformers.utils.logging.disable_progress_bar()  # the console shows the run's own lines
     datasets.disable_progress_bars()
     signal.signal(signal.SIGTERM, functools.partial(on_sigterm, args.save_every))
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # (a stderr with no file: run in-process)
+        # `kill -USR2 <pid>`: every thread's stack on stderr, for a run that hangs (it goes on running)
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
     code, message = 0, ""
     try:
         with contextlib.ExitStack() as cleanup:

@@ -193,8 +193,11 @@ def test_ctrl_c_stops_two_engines(chains_dir, tmp_path):
     process = start_stream(chains_dir, tmp_path, "--max_staleness", "2", "--num_generators", "2",
                            "--total_episodes", "100000")
     children = wait_for_training(process, str(tmp_path), step_metric="staleness/mean")
+    os.kill(process.pid, signal.SIGUSR2)  # where a hung run is: every thread's stack on stderr, and it runs on
+    time.sleep(1)
     os.killpg(process.pid, signal.SIGINT)  # what a terminal does: SIGINT to the whole foreground group
-    assert "interrupted" in stopped(process, 130, children)
+    stderr = stopped(process, 130, children)
+    assert "interrupted" in stderr and "most recent call first" in stderr and "in main" in stderr
 
 
 def free_port() -> int:

@@ -91,10 +91,12 @@ def assert_clean_exit(process: subprocess.Popen, stopped_at: Optional[float], co
     None: a normal end, timed from its last record by the caller) and prints no second failure. Returns its
     stderr."""
     try:
-        _, stderr = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
+        _, stderr = process.communicate(timeout=150)
+    except subprocess.TimeoutExpired:  # where it hangs: every thread's stack (plumbing/launch.py), then kill it
+        os.kill(process.pid, signal.SIGUSR2)
+        time.sleep(3)
         os.killpg(process.pid, signal.SIGKILL)
-        raise AssertionError("the learner hung on exit")
+        raise AssertionError(f"the learner hung on exit; its threads:\n{process.communicate()[1][-8000:]}")
     assert process.returncode == code, stderr[-3000:]
     assert stopped_at is None or time.time() - stopped_at < 60
     assert "resource_tracker" not in stderr and "KeyError" not in stderr, stderr[-3000:]  # no second failure
