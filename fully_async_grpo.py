@@ -17,7 +17,8 @@ sampler (its oldest token's).
        m = 1 under `recompute` the ratio to the proximal policy is 1 and only the weight acts; the clip from the
        second mini-batch on);  5. ASYNC: publish version v + 1 in its slot;
     6. log (the staleness, the stream and the lengths);  7. evaluate;  8. checkpoint.
-k = 0 is synchronous and on-policy. CPU demo: `python fully_async_grpo.py --model tiny`; docs/fully_async.md.
+k = 0 is synchronous and on-policy. CPU demo: `python fully_async_grpo.py --model tiny`; docs/fully_async.md. The
+stream's words (version, published, loaded, slot, room, place, taken, adoption) mean what docs/glossary.md says.
 """
 import contextlib
 import json
@@ -38,8 +39,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiny_world
+from plumbing import audit, checkpoint, core, generator_io, launch, lora, metrics, transport
 from plumbing import chat as plumbing_chat
-from plumbing import checkpoint, core, generator_io, launch, lora, metrics, transport
 
 # --model: (SFT policy, dataset, the prompt format the policy was trained on ({question}: the problem; chat: in its
 # chat template), where its answer is)
@@ -250,30 +251,7 @@ def resolve_args(args: Args) -> Args:
     precision, where the run logs, and the preset's models and data. It checks this script's own
     flags (core.check_flags those every script has)."""
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
-    for bad, message in [
-        (args.max_staleness < 0, f"--max_staleness must be 0 (synchronous) or more, got {args.max_staleness}"),
-        (args.num_samples < 2, f"--num_samples must be at least 2 (a group needs two), got {args.num_samples}"),
-        (args.num_samples > 0 and args.batch_size % args.num_samples,
-         f"--batch_size {args.batch_size} (completions a step) must be a whole number of groups of "
-         f"--num_samples {args.num_samples}"),
-        (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
-        (args.cliprange < 0 or args.is_cap < 1, "--cliprange must not be negative, --is_cap not below 1"),
-        (args.num_mini_batches < 1 or args.record_every < 1, "--num_mini_batches and --record_every must be positive"),
-        (args.proximal == "behaviour" and (args.is_correction not in (None, "none") or args.is_cap != Args.is_cap),
-         "--is_correction and --is_cap act on w = pi_prox / mu, which is 1 under --proximal behaviour (the clip "
-         "to the sampler is its correction): leave them out"),
-        (args.proximal == "recompute" and args.is_correction == "none" and args.max_staleness > 0,
-         f"--is_correction none with --proximal recompute and --max_staleness {args.max_staleness} trains on data "
-         "up to k versions stale with no correction for the sampler at all: use tis, mis or icepop, or --proximal "
-         "behaviour"),
-        (args.kv_on_update == "keep" and not args.inflight_updates, "--kv_on_update keep needs --inflight_updates "
-         "(draining before every load, no KV cache outlives its version)"),
-        (args.lora_rank > 0 and args.inflight_updates, "--inflight_updates with --lora_rank: vLLM samples a running "
-         "request with the adapter it was admitted under to its end (a new adapter reaches new requests only), so "
-         "a load could not reach the running tokens; with LoRA the engine drains before each load"),
-    ]:
-        if bad:
-            core.fail(message)
+    core.check_stream_flags(args, Args.is_cap)
     core.check_flags(args, positive=("temperature", "num_samples"), unit="completions")
     args.groups_per_step = args.batch_size // args.num_samples
     args.max_in_flight = args.max_in_flight or (args.max_staleness + 1) * args.groups_per_step
@@ -400,17 +378,8 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         loop = checkpoint.resume(args, **saved)
     (next_group, below, beyond), version, published, last_eval, _ = loop
     if args.record_rollouts and not args.resume_from:  # (version 0: the SFT weights, in slot 0 like any other)
-        if args.rank == 0:  # what it will write: a version is the policy's size
-            _, offset, shape = weight_layout[-1]
-            each = (offset + math.prod(shape)) * dtype.itemsize / 1e9
-            kept = args.num_steps // args.record_every + 1
-            tqdm.write(f"--record_rollouts: {kept} versions of {each:.2f} GB each, {kept * each:.1f} GB in "
-                       f"{args.output_dir}/versions (--record_every {args.record_every})")
         write_weight_snapshot(policy, None if weight_slots is None else weight_slots[0], weight_layout)
-        record_version(weight_slots, weight_layout, 0, args)
-        if args.rank == 0 and args.lora_rank:  # (LoRA: the versions are adapters on the SFT weights)
-            with open(os.path.join(args.output_dir, "versions", "adapter_config.json"), "w") as f:
-                json.dump(lora.adapter_config(policy), f)
+        audit.record_first_version(weight_slots, weight_layout, dtype, lora.adapter_config(policy), args)
     transport.share_slots(weight_slots, leaders)  # (the other generator nodes': resumed, or version 0, as rank 0's)
     ledger = dict(arrived={}, next_place=0, taken=next_group, below=below, beyond=set(beyond), accepted=0,
                   discarded=0, learner_idle=0.0, engines={}, reports={})  # (taken: how many; below, beyond: which)
@@ -440,7 +409,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
                    f"{args.advantage} advantages")
     training_start = ledger["start"] = time.time()
     open_admission(admission_record, next_group, args)
-    go = dict(kind="go", first_group=next_group, **still_to_admit(ledger), version=published,
+    go = dict(kind="go", first_group=next_group, **transport.still_to_admit(ledger), version=published,
               slot=published % len_slots(args),
               seed=args.seed, n=args.num_samples, temperature=args.temperature,
               max_tokens=args.response_length, max_staleness=args.max_staleness,
@@ -457,7 +426,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         took = time.time() - step_start
         if args.record_rollouts:  # (and the discarded groups, marked: every group taken is accounted for)
             for groups, fate in ((batch, "trained"), (discarded, "discarded")):
-                record_groups(groups, prompts_of(groups), fate, args)
+                audit.record_groups(groups, prompts_of(groups), fate, AUDITED, args)
 
         # 2. ALGO: grade this rank's completions; each one's advantage is relative to its group's
         train_start = time.time()
@@ -492,12 +461,13 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         transport.submit(engines, dict(kind="weights", version=version, slot=slot, taken=ledger["taken"],
                                        taken_from={e: engine["groups"] for e, engine in ledger["engines"].items()}))
         if args.record_rollouts:
-            record_version(weight_slots, weight_layout, version, args)
+            audit.record_version(weight_slots, slot, weight_layout, version, args)
 
         # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
         ledger["reports"] = transport.engine_reports(admission_record, args)  # (each engine's version, idle time)
         record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
-                      **stream_stats(batch, len(discarded), ledger, engines, args))
+                      **metrics.stream_stats(batch, len(discarded), ledger, engines, args),
+                      **metrics.inflight_stats(batch))
         record.update({"time/training": sync_start - train_start, "time/proximal": proximal_seconds,
                        "time/weight_sync": time.time() - sync_start, "time/adoption_wait": adoption_wait,
                        "time/learner_wait": took, "time/elapsed": time.time() - training_start})
@@ -519,7 +489,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
 
     if args.record_rollouts:  # (the audit accounts for every group admitted: those still in flight too)
         leftovers = take_leftovers(admission_record, engines, ledger, args)
-        record_groups(leftovers, prompts_of(leftovers), "in flight at the end", args)
+        audit.record_groups(leftovers, prompts_of(leftovers), "in flight at the end", AUDITED, args)
     evaluate_now(final=True)  # the whole test split, with the last weights
     progress.close()
     if args.rank == 0:
@@ -582,82 +552,14 @@ def arrive(message: dict, ledger: dict) -> None:
     ledger["arrived"][message["place"]] = message
 
 
-def still_to_admit(ledger: dict) -> dict:
-    """What the generator admits first (a resumed run's): the indices below the last one taken that were not taken
-    (a long group still sampling at the checkpoint), then every index after it."""
-    last = max(ledger["beyond"], default=ledger["below"] - 1)
-    missing = [i for i in range(ledger["below"], last + 1) if i not in ledger["beyond"]]
-    return dict(missing=missing, next_index=last + 1)
-
-
 def len_slots(args: Args) -> int:
     """The weight slots: k + 1 (the learner never overwrites a version the generator may still be loading)."""
     return args.max_staleness + 1
 
 
-def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, args: Args) -> dict:
-    """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
-    (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
-    (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
-    published versions (how long after publishing, and under `recompute` in flight the engine step after the load,
-    which re-reads the preempted sequences), each side's idle fraction since training began, and the versions a
-    completion spans (more than one only with --inflight_updates) and each token's staleness; and per engine, its
-    loaded version, its publish-to-load time, its groups and its idle share (`engine{e}/...`)."""
-    staleness = [g["staleness"] for g in batch]
-    spans = [completion for g in batch for completion in g["spans"]]
-    token_staleness = [s for g in batch for s in g["token_staleness"]]
-    lengths = sorted(len(r) for g in batch for r in g["responses"])
-    durations = sorted(g["finished"] - g["admitted"] for g in batch)
-    loads = [load for g in batch for load in g["loads"]]  # (version, load seconds, since published): a node's own
-    reprefills = [seconds for g in batch for seconds in g["reprefills"]]
-    elapsed = max(time.time() - ledger["start"], 1e-9)
-    waiting = len(ledger["arrived"]) + (engines[0].results.qsize() if engines else 0)  # (this node's)
-    per_engine = {}  # (every engine's version and idle seconds as it last wrote them in the record: rank 0's)
-    for e, (loaded, idle) in sorted(ledger["reports"].items()):
-        per_engine.update({f"engine{e}/version": loaded, f"engine{e}/idle_fraction": idle / elapsed})
-    for e, engine in sorted(ledger["engines"].items()):
-        per_engine[f"engine{e}/groups"] = engine["groups"]
-        if engine["lags"]:  # (its loads reported since the last step)
-            per_engine[f"engine{e}/publish_to_load_seconds"] = sum(engine["lags"]) / len(engine["lags"])
-        engine["lags"] = []
-
-    def quantile(values: list, q: float) -> float:
-        return float(values[min(int(q * len(values)), len(values) - 1)])
-
-    return {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-            "staleness/histogram": {str(s): staleness.count(s) for s in sorted(set(staleness))},
-            "rollouts/accepted": len(batch), "rollouts/discarded": discarded,
-            "rollouts/accepted_total": ledger["accepted"], "rollouts/discarded_total": ledger["discarded"],
-            "queue/depth": waiting,
-            "queue/oldest_age": max(g["queued"] + g["taken_at"] - g["arrived_at"] for g in batch),
-            "length/p50": quantile(lengths, 0.5), "length/p90": quantile(lengths, 0.9),
-            "length/p99": quantile(lengths, 0.99), "length/max": lengths[-1],
-            "length/truncated_fraction": sum(not g["ended"][i] for g in batch for i in range(len(g["ended"])))
-            / len(lengths),
-            "rollout/seconds_p50": quantile(durations, 0.5), "rollout/seconds_p90": quantile(durations, 0.9),
-            "rollout/seconds_max": durations[-1], "generator/version": batch[-1]["loaded"],
-            **({"weights/load_seconds": sum(seconds for _, seconds, _ in loads) / len(loads),
-                "weights/publish_to_load_seconds": sum(lag for _, _, lag in loads) / len(loads)} if loads else {}),
-            **({"weights/reprefill_seconds": sum(reprefills) / len(reprefills)} if reprefills else {}),
-            "inflight/multi_version_fraction": sum(len(s) > 1 for s in spans) / len(spans),
-            "inflight/versions_per_completion": sum(map(len, spans)) / len(spans),
-            "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
-            "idle/learner_fraction": ledger["learner_idle"] / elapsed,
-            "idle/generator_fraction": sum(i for _, i in ledger["reports"].values()) / elapsed / args.num_engines,
-            **per_engine}
-
-
-# --- Auditing a run (--record_rollouts): what the learner trained on, and every version that sampled it --------
-def record_groups(batch: list, prompts: list, fate: str, args: Args) -> None:
-    """The step's groups, a line each in {output_dir}/rollouts.jsonl: the prompt's and completions' tokens, the
-    sampler's per-token log-probs, each completion's (version, first token, end) spans, the sampling temperature,
-    the engine, and its fate: trained, discarded (too stale), or in flight at the end."""
-    if args.rank == 0:
-        with open(os.path.join(args.output_dir, "rollouts.jsonl"), "a") as f:
-            for group, prompt in zip(batch, prompts):
-                f.write(json.dumps(dict(index=group["index"], prompt=prompt, responses=group["responses"],
-                                        logprobs=group["logprobs"], spans=group["spans"], engine=group["engine"],
-                                        fate=fate, temperature=args.temperature)) + "\n")
+# --- The end of the stream, and --record_rollouts' audit of every group admitted ----------------------------
+# What rollouts.jsonl keeps of a group
+AUDITED = ("responses", "logprobs", "spans", "engine")
 
 
 def take_leftovers(admission_record, engines: list, ledger: dict, args: Args) -> list:
@@ -669,18 +571,6 @@ def take_leftovers(admission_record, engines: list, ledger: dict, args: Args) ->
     if args.world_size > 1:
         torch.distributed.broadcast_object_list(count, src=0)
     return [next_finished(engines, ledger, args) for _ in range(count[0])]
-
-
-def record_version(weight_slots: Optional[torch.Tensor], table: list, version: int, args: Args) -> None:
-    """Version `version`'s weights as the generator loads them (its slot), to {output_dir}/versions/{version}.pt
-    (every --record_every-th version)."""
-    if weight_slots is not None and version % args.record_every == 0:
-        folder = os.path.join(args.output_dir, "versions")
-        if not os.path.exists(os.path.join(folder, "config.json")):  # (the architecture, to load them into)
-            AutoConfig.from_pretrained(args.sft_model_path).save_pretrained(folder)
-        weights = {name: tensor.cpu().clone() for name, tensor in weights_from_buffer(
-            weight_slots[version % len_slots(args)], table)}
-        torch.save(weights, os.path.join(folder, f"{version}.pt"))
 
 
 # --- The reward, a verifier (to train on your own, replace `training_reward`) ------------------------------------
@@ -1017,7 +907,7 @@ def generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, reque
         stream.record.multi_set([f"loaded/{stream.engine}", f"idle/{stream.engine}"], ["0", "0"])  # (SFT weights)
         llm.llm_engine.set_weight_version("0")  # vLLM labels each token with the version set when it was sampled
         while take_messages(requests, stream):  # (False: the learner said stop)
-            report_idle(stream)
+            transport.report_idle(stream)
             load_newest(llm, stream, weight_layout)
             if stream.eval_request is not None and not stream.running:
                 results.put(evaluate_drained(llm, stream, stop_id))
@@ -1038,13 +928,13 @@ def take_messages(requests, stream: Stream) -> bool:
     evaluation); waits for one only when there is nothing else to do. False: stop."""
     block = not (stream.running or load_due(stream) or stream.eval_request is not None or admissible(stream))
     if block:
-        mark_idle(stream, True)
+        transport.mark_idle(stream, True)
     while True:
         try:
             message = requests.get(timeout=0.01) if block else requests.get_nowait()
         except queue.Empty:
             if block and not admissible(stream):  # (another engine's group ending may free the bound: polled)
-                report_idle(stream)
+                transport.report_idle(stream)
                 continue
             return True
         block = False
@@ -1052,7 +942,7 @@ def take_messages(requests, stream: Stream) -> bool:
             return False
         if message["kind"] == "go":  # training begins (the generator's idle clock too)
             stream.go, stream.taken = message, message["first_group"]
-            mark_idle(stream, True)
+            transport.mark_idle(stream, True)
             if message["version"] > stream.loaded:  # (resumed: the checkpoint's weights, in their slot)
                 stream.newest = (message["version"], message["slot"], message["sent"])
         elif message["kind"] == "weights":  # (sent: when this node's leader passed it on, this node's clock)
@@ -1095,10 +985,10 @@ def load_newest(llm, stream: Stream, weight_layout: list) -> None:
 
 def evaluate_drained(llm, stream: Stream, stop_id: int) -> dict:
     """An evaluation, with nothing mid-generation and the newest version loaded (its time is not idle time)."""
-    mark_idle(stream, False)
+    transport.mark_idle(stream, False)
     message = evaluation(llm, stream.eval_request, stream.loaded, stream.adapter, stop_id)
     stream.eval_request = None
-    mark_idle(stream, True)
+    transport.mark_idle(stream, True)
     return message
 
 
@@ -1134,16 +1024,7 @@ def claim_group(stream: Stream) -> Optional[int]:
         state["running"][version] = state["running"].get(version, 0) + 1
         if transport.write_record(stream.record, raw, state):
             stream.claimed += 1
-            return group_index(stream.go, group)
-
-
-def group_index(go: dict, position: int) -> int:
-    """The index (its prompt, its seed) of the group admitted at this position of the record's count. A fresh run:
-    the position. A resumed one first admits the indices its checkpoint's run had admitted and not taken (`missing`),
-    then those after the last it took."""
-    after = position - go["first_group"]
-    missing = go["missing"]
-    return missing[after] if after < len(missing) else go["next_index"] + after - len(missing)
+            return transport.group_index(stream.go, group)
 
 
 def release_group(stream: Stream, group: int, version: int) -> int:
@@ -1176,14 +1057,14 @@ def admit_groups(engine, stream: Stream, stop_id: int) -> None:
         engine.add_request(str(group), TokensPrompt(prompt_token_ids=stream.prompts[group % len(stream.prompts)]),
                            sampling, lora_request=stream.adapter)
         stream.running[str(group)] = (group, stream.loaded, time.time())
-    mark_idle(stream, not stream.running)
+    transport.mark_idle(stream, not stream.running)
 
 
 def step_and_send(engine, stream: Stream, results) -> None:
     """ASYNC: one engine step (every running sequence advances a token); a group whose K completions have all ended
     leaves at once, each completion with its (version, first token, end) spans (one span unless loaded mid-way)
     and its per-token log-probs."""
-    mark_idle(stream, False)
+    transport.mark_idle(stream, False)
     step_start = time.time()
     outputs = engine.step()
     if stream.reprefill_due:  # the step that re-read the preempted sequences' prefixes under the new weights
@@ -1204,27 +1085,6 @@ def step_and_send(engine, stream: Stream, results) -> None:
             ended=[c.finish_reason == "stop" for c in completions], loaded=stream.loaded, loads=stream.loads,
             reprefills=stream.reprefills))
         stream.loads, stream.reprefills = [], []
-
-
-def mark_idle(stream: Stream, idle: bool) -> None:
-    """The generator's idle clock (training under way and nothing to sample): started when it has nothing to do,
-    stopped when it samples or evaluates."""
-    if stream.go is None:
-        return
-    if idle and stream.idle_since is None:
-        stream.idle_since = time.time()
-    elif not idle and stream.idle_since is not None:
-        stream.idle, stream.idle_since = stream.idle + time.time() - stream.idle_since, None
-    report_idle(stream)
-
-
-def report_idle(stream: Stream) -> None:
-    """This engine's idle seconds so far, the running stretch too, written in the record every 0.2 s at most, where
-    the learner reads every engine's (an idle engine sends no group to report it by)."""
-    if stream.go is not None and time.time() - stream.reported >= 0.2:
-        stream.reported = time.time()
-        idle = stream.idle + (stream.reported - stream.idle_since if stream.idle_since is not None else 0.0)
-        stream.record.set(f"idle/{stream.engine}", str(idle))
 
 
 def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: int, load_due: bool) -> bool:

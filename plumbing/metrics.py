@@ -248,3 +248,93 @@ def idle_regime(learner_idle: float, generator_idle: float, elapsed: float, bala
                 "(--num_samples) for the same steps, would keep the generator busy")
     return f"regime: balanced (within {balanced}x): {times}"
 
+
+# --- The streaming twins' metrics: the stream, in-flight loads, episodes ---------------------------
+def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, args) -> dict:
+    """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
+    (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
+    (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
+    published versions (how long after publishing, and under `recompute` in flight the engine step after the load,
+    which re-reads the preempted sequences), each side's idle fraction since training began and each token's
+    staleness; and per engine, its loaded version, its publish-to-load time, its groups and its idle share
+    (`engine{e}/...`). fully_async_grpo.py adds the versions a completion spans (inflight_stats), agentic_grpo.py
+    the episodes' (episode_stats)."""
+    staleness = [g["staleness"] for g in batch]
+    token_staleness = [s for g in batch for s in g["token_staleness"]]
+    lengths = sorted(len(r) for g in batch for r in g["responses"])
+    durations = sorted(g["finished"] - g["admitted"] for g in batch)
+    loads = [load for g in batch for load in g["loads"]]  # (version, load seconds, since published): a node's own
+    reprefills = [seconds for g in batch for seconds in g["reprefills"]]
+    elapsed = max(time.time() - ledger["start"], 1e-9)
+    waiting = len(ledger["arrived"]) + (engines[0].results.qsize() if engines else 0)  # (this node's)
+    per_engine = {}  # (every engine's version and idle seconds as it last wrote them in the record: rank 0's)
+    for e, (loaded, idle) in sorted(ledger["reports"].items()):
+        per_engine.update({f"engine{e}/version": loaded, f"engine{e}/idle_fraction": idle / elapsed})
+    for e, engine in sorted(ledger["engines"].items()):
+        per_engine[f"engine{e}/groups"] = engine["groups"]
+        if engine["lags"]:  # (its loads reported since the last step)
+            per_engine[f"engine{e}/publish_to_load_seconds"] = sum(engine["lags"]) / len(engine["lags"])
+        engine["lags"] = []
+
+    def quantile(values: list, q: float) -> float:
+        return float(values[min(int(q * len(values)), len(values) - 1)])
+
+    return {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+            "staleness/histogram": {str(s): staleness.count(s) for s in sorted(set(staleness))},
+            "rollouts/accepted": len(batch), "rollouts/discarded": discarded,
+            "rollouts/accepted_total": ledger["accepted"], "rollouts/discarded_total": ledger["discarded"],
+            "queue/depth": waiting,
+            "queue/oldest_age": max(g["queued"] + g["taken_at"] - g["arrived_at"] for g in batch),
+            "length/p50": quantile(lengths, 0.5), "length/p90": quantile(lengths, 0.9),
+            "length/p99": quantile(lengths, 0.99), "length/max": lengths[-1],
+            "length/truncated_fraction": sum(not g["ended"][i] for g in batch for i in range(len(g["ended"])))
+            / len(lengths),
+            "rollout/seconds_p50": quantile(durations, 0.5), "rollout/seconds_p90": quantile(durations, 0.9),
+            "rollout/seconds_max": durations[-1], "generator/version": batch[-1]["loaded"],
+            **({"weights/load_seconds": sum(seconds for _, seconds, _ in loads) / len(loads),
+                "weights/publish_to_load_seconds": sum(lag for _, _, lag in loads) / len(loads)} if loads else {}),
+            **({"weights/reprefill_seconds": sum(reprefills) / len(reprefills)} if reprefills else {}),
+            "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
+            "idle/learner_fraction": ledger["learner_idle"] / elapsed,
+            "idle/generator_fraction": sum(i for _, i in ledger["reports"].values()) / elapsed / args.num_engines,
+            **per_engine}
+
+
+def inflight_stats(batch: list) -> dict:
+    """The versions a completion spans (more than one only with --inflight_updates): fully_async_grpo.py's."""
+    spans = [completion for g in batch for completion in g["spans"]]
+    return {"inflight/multi_version_fraction": sum(len(s) > 1 for s in spans) / len(spans),
+            "inflight/versions_per_completion": sum(map(len, spans)) / len(spans)}
+
+
+def episode_stats(batch: list, ledger: dict) -> dict:
+    """What a user must see of the episodes: their turns (p50, p90, p99), the versions that sampled each one and
+    its within-episode staleness (newest minus oldest token version; the learner's minus the oldest is
+    staleness/max, as for a group), its histogram, the tools' calls (those it could not read included), seconds and
+    errors (calls it could not read: parse_failures; unknown tools, bad arguments, raising tools and timeouts:
+    errors; the two together: malformed; wrong on purpose), how much of the tools' time the engine spent sampling
+    other episodes (its overlap), and the engine's occupancy (turns a step advances, the mean over engine steps
+    since training began and over engines)."""
+    turns = sorted(t for g in batch for t in g["turns"])
+    within = [s for g in batch for s in g["within_episode"]]
+    versions = [n for g in batch for n in g["episode_versions"]]
+    calls = sum(sum(g["calls"]) for g in batch)
+    failures, errors = (sum(sum(g[key]) for g in batch) for key in ("parse_failures", "errors"))
+    pending = sum(e["tool_pending"] for e in ledger["engines"].values())  # (each engine's since training began)
+
+    def quantile(q: float) -> float:
+        return float(turns[min(int(q * len(turns)), len(turns) - 1)])
+
+    return {"episode/turns_p50": quantile(0.5), "episode/turns_p90": quantile(0.9),
+            "episode/turns_p99": quantile(0.99), "episode/turns_mean": sum(turns) / len(turns),
+            "episode/versions_mean": sum(versions) / len(versions),
+            "episode/multi_version_fraction": sum(n > 1 for n in versions) / len(versions),
+            "staleness/within_episode_mean": sum(within) / len(within), "staleness/within_episode_max": max(within),
+            "staleness/within_episode_histogram": {str(s): within.count(s) for s in sorted(set(within))},
+            "tools/calls": calls, "tools/seconds_mean": sum(t for g in batch for t in g["tool_seconds"])
+            / max(calls, 1), "tools/malformed": failures + errors, "tools/parse_failures": failures,
+            "tools/errors": errors, "tools/wrong": sum(sum(g["wrong"]) for g in batch),
+            "tools/overlap_fraction": sum(e["tool_overlap"] for e in ledger["engines"].values()) / pending
+            if pending else 0.0,
+            "generator/turns_per_step": sum(e["turns_per_step"] for e in ledger["engines"].values())
+            / len(ledger["engines"])}

@@ -237,3 +237,43 @@ def wait_for_adoption(record, engines: list, held: int, args) -> float:
         check_engines(record, engines)
         time.sleep(0.002)
     return time.time() - start
+
+
+# --- A resumed run's admission order; an engine's idle clock, kept in the record -----------------------------------
+def still_to_admit(ledger: dict) -> dict:
+    """What the generator admits first (a resumed run's): the indices below the last one taken that were not taken
+    (a long group still sampling at the checkpoint), then every index after it."""
+    last = max(ledger["beyond"], default=ledger["below"] - 1)
+    missing = [i for i in range(ledger["below"], last + 1) if i not in ledger["beyond"]]
+    return dict(missing=missing, next_index=last + 1)
+
+
+def group_index(go: dict, position: int) -> int:
+    """The index (its prompt, its seed) of the group admitted at this position of the record's count. A fresh run:
+    the position. A resumed one first admits the indices its checkpoint's run had admitted and not taken (`missing`),
+    then those after the last it took."""
+    after = position - go["first_group"]
+    missing = go["missing"]
+    return missing[after] if after < len(missing) else go["next_index"] + after - len(missing)
+
+
+def mark_idle(stream, idle: bool) -> None:
+    """The generator's idle clock (training under way and nothing to sample): started when it has nothing to do,
+    stopped when it samples or evaluates. `stream`: the script's Stream (go, idle, idle_since, reported, record,
+    engine)."""
+    if stream.go is None:
+        return
+    if idle and stream.idle_since is None:
+        stream.idle_since = time.time()
+    elif not idle and stream.idle_since is not None:
+        stream.idle, stream.idle_since = stream.idle + time.time() - stream.idle_since, None
+    report_idle(stream)
+
+
+def report_idle(stream) -> None:
+    """This engine's idle seconds so far, the running stretch too, written in the record every 0.2 s at most, where
+    the learner reads every engine's (an idle engine sends no group to report it by)."""
+    if stream.go is not None and time.time() - stream.reported >= 0.2:
+        stream.reported = time.time()
+        idle = stream.idle + (stream.reported - stream.idle_since if stream.idle_since is not None else 0.0)
+        stream.record.set(f"idle/{stream.engine}", str(idle))
