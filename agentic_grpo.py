@@ -282,7 +282,7 @@ def resolve_args(args: Args) -> Args:
     precision, where the run logs, and the preset's models and data. It checks this script's own
     flags (core.check_flags those every script has)."""
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
-    core.check_stream_flags(args, Args.is_cap)
+    transport.check_stream_flags(args, Args.is_cap)
     for bad, message in [  # (and the episode's)
         (args.max_turns < 1, f"--max_turns must be at least 1, got {args.max_turns}"),
         (not 0 <= args.tool_error_rate <= 1, f"--tool_error_rate is a share, 0 to 1, got {args.tool_error_rate}"),
@@ -528,13 +528,13 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
         ledger["reports"] = transport.engine_reports(admission_record, args)  # (each engine's version, idle time)
         record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
-                      **metrics.stream_stats(batch, len(discarded), ledger, engines, args),
+                      **metrics.stream_stats(batch, len(discarded), ledger, engines, args.num_engines),
                       **metrics.episode_stats(batch, ledger))
         record.update({"time/training": sync_start - train_start, "time/proximal": proximal_seconds,
                        "time/weight_sync": time.time() - sync_start, "time/adoption_wait": adoption_wait,
                        "time/learner_wait": took, "time/elapsed": time.time() - training_start})
         metrics.log(record, metrics_file, args.track)
-        say_if_no_calls(batch, ledger, tool, version, args)
+        tools.say_if_no_calls(batch, ledger, tool, version, args)
         progress.update(1)
         progress.set_postfix(accuracy=f"{stats['reward/accuracy']:.3f}", staleness=f"{record['staleness/mean']:.1f}")
 
@@ -621,22 +621,6 @@ def arrive(message: dict, ledger: dict) -> None:
 def len_slots(args: Args) -> int:
     """The weight slots: k + 1 (the learner never overwrites a version the generator may still be loading)."""
     return args.max_staleness + 1
-
-
-def say_if_no_calls(batch: list, ledger: dict, tool: dict, version: int, args: Args) -> None:
-    """Says once, after the third step, when the policy has called no tool, or when none of its calls could be read:
-    a policy that has not learned the format --tool_parser reads trains with no tool, silently otherwise."""
-    seen = ledger["calls_seen"]
-    seen[:] = [seen[0] + sum(len(g["calls"]) for g in batch), seen[1] + sum(sum(g["calls"]) for g in batch),
-               seen[2] + sum(sum(g["parse_failures"]) for g in batch)]
-    episodes, tried, unread = seen
-    if version != min(3, args.num_steps) or args.rank != 0 or (tried and unread < tried):
-        return
-    example = tool["turn_format"]["example"]
-    tqdm.write(f"warning: the policy called no tool in its first {episodes} episodes" if not tried else
-               f"warning: none of the policy's {tried} calls in its first {episodes} episodes could be read")
-    tqdm.write(f"  --tool_parser {args.tool_parser} reads calls written like {example!r} (with --prompt_format chat, "
-               "the tools' schemas are in the prompt): a policy that does not write them trains without the tool")
 
 
 # --- The end of the stream, and --record_rollouts' audit of every group admitted ----------------------------
@@ -1358,7 +1342,7 @@ def start_call(stream: Stream, episode: dict, name: str, arguments: Optional[dic
     if seeded:
         if rng.random() < stream.tool["error_rate"]:  # (wrong on purpose, by 1 to 9, if the answer is a number)
             offset = rng.choice([-1, 1]) * rng.randint(1, 9)
-        latency = tool_latency(stream.tool, rng)
+        latency = tools.latency(stream.tool, rng)
         episode["tool_seconds"] += latency
     if error is None and function is None:
         error = f"error: no tool named {name!r}"
@@ -1415,15 +1399,6 @@ def finish_episode(stream: Stream, episode: dict, ended: bool) -> None:
     if episode["env"].get("score") is not None:
         episode["score"] = float(episode["env"]["score"](stream.tokenizer.decode(episode["ids"],
                                                                                   skip_special_tokens=True)))
-
-
-def tool_latency(tool: dict, rng: random.Random) -> float:
-    """Seconds a call takes: --tool_latency, fixed or long-tailed (lognormal, sigma 1, the same mean)."""
-    if tool["latency_distribution"] == "fixed":
-        return tool["latency"]
-    if tool["latency_distribution"] == "lognormal":
-        return tool["latency"] and rng.lognormvariate(math.log(tool["latency"]) - 0.5, 1.0)
-    raise ValueError(f"unknown --tool_latency_distribution {tool['latency_distribution']}")
 
 
 def can_admit(go: dict, next_group: int, in_stream: int, loaded: int, oldest: int, load_due: bool) -> bool:

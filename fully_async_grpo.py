@@ -251,7 +251,7 @@ def resolve_args(args: Args) -> Args:
     precision, where the run logs, and the preset's models and data. It checks this script's own
     flags (core.check_flags those every script has)."""
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
-    core.check_stream_flags(args, Args.is_cap)
+    transport.check_stream_flags(args, Args.is_cap)
     core.check_flags(args, positive=("temperature", "num_samples"), unit="completions")
     args.groups_per_step = args.batch_size // args.num_samples
     args.max_in_flight = args.max_in_flight or (args.max_staleness + 1) * args.groups_per_step
@@ -466,7 +466,7 @@ def main(args: Args, cleanup: contextlib.ExitStack) -> None:
         # 6. Log the step: the learning rule's statistics, the staleness, the stream, the lengths, the times
         ledger["reports"] = transport.engine_reports(admission_record, args)  # (each engine's version, idle time)
         record = dict(step=version, episode=version * args.batch_size, lr=args.learning_rate, **stats,
-                      **metrics.stream_stats(batch, len(discarded), ledger, engines, args),
+                      **metrics.stream_stats(batch, len(discarded), ledger, engines, args.num_engines),
                       **metrics.inflight_stats(batch))
         record.update({"time/training": sync_start - train_start, "time/proximal": proximal_seconds,
                        "time/weight_sync": time.time() - sync_start, "time/adoption_wait": adoption_wait,

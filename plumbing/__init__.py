@@ -21,5 +21,6 @@ above it:
     audit          the streaming twins' --record_rollouts: the groups trained on, and every version's weights
     tools          agentic_grpo.py's tools in the model's own format: JSON schemas, vLLM's tool parsers (the
                    calculator's syntax registered as one), calls in threads with a timeout, the replies as the
-                   chat template's tool turns, and the checks at start (parser, prefix stability)
+                   chat template's tool turns, and the checks at start (parser, prefix stability); the
+                   warning when a policy calls no tool; a slow tool's seconds
 """

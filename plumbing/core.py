@@ -67,33 +67,6 @@ def check_flags(args, positive: tuple = ("temperature", "eval_temperature"),
             fail(message)
 
 
-def check_stream_flags(args, default_is_cap: float) -> None:
-    """The streaming twins' own flags (fully_async_grpo.py's and agentic_grpo.py's), checked before anything loads."""
-    for bad, message in [
-        (args.max_staleness < 0, f"--max_staleness must be 0 (synchronous) or more, got {args.max_staleness}"),
-        (args.num_samples < 2, f"--num_samples must be at least 2 (a group needs two), got {args.num_samples}"),
-        (args.num_samples > 0 and args.batch_size % args.num_samples,
-         f"--batch_size {args.batch_size} (completions a step) must be a whole number of groups of "
-         f"--num_samples {args.num_samples}"),
-        (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
-        (args.cliprange < 0 or args.is_cap < 1, "--cliprange must not be negative, --is_cap not below 1"),
-        (args.num_mini_batches < 1 or args.record_every < 1, "--num_mini_batches and --record_every must be positive"),
-        (args.proximal == "behaviour" and (args.is_correction not in (None, "none") or args.is_cap != default_is_cap),
-         "--is_correction and --is_cap act on w = pi_prox / mu, which is 1 under --proximal behaviour (the clip "
-         "to the sampler is its correction): leave them out"),
-        (args.proximal == "recompute" and args.is_correction == "none" and args.max_staleness > 0,
-         f"--is_correction none with --proximal recompute and --max_staleness {args.max_staleness} trains on data "
-         "up to k versions stale with no correction for the sampler at all: use tis, mis or icepop, or --proximal "
-         "behaviour"),
-        (args.kv_on_update == "keep" and not args.inflight_updates, "--kv_on_update keep needs --inflight_updates "
-         "(draining before every load, no KV cache outlives its version)"),
-        (args.lora_rank > 0 and args.inflight_updates, "--inflight_updates with --lora_rank: vLLM samples a running "
-         "request with the adapter it was admitted under to its end (a new adapter reaches new requests only), so "
-         "a load could not reach the running tokens; with LoRA the engine drains before each load"),
-    ]:
-        if bad:
-            fail(message)
-
 
 def check_model_paths(args, *flags: str) -> None:
     """Each model flag that is set names a local model folder or a hub model that loads."""

@@ -250,7 +250,7 @@ def idle_regime(learner_idle: float, generator_idle: float, elapsed: float, bala
 
 
 # --- The streaming twins' metrics: the stream, in-flight loads, episodes ---------------------------
-def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, args) -> dict:
+def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, num_engines: int) -> dict:
     """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
     (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
     (p50, p90, p99) and truncations, the rollouts' durations (admitted to finished), the generator's loads of the
@@ -296,7 +296,7 @@ def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, args)
             **({"weights/reprefill_seconds": sum(reprefills) / len(reprefills)} if reprefills else {}),
             "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
             "idle/learner_fraction": ledger["learner_idle"] / elapsed,
-            "idle/generator_fraction": sum(i for _, i in ledger["reports"].values()) / elapsed / args.num_engines,
+            "idle/generator_fraction": sum(i for _, i in ledger["reports"].values()) / elapsed / num_engines,
             **per_engine}
 
 

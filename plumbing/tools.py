@@ -5,11 +5,16 @@ trained); the tiny world's calculator syntax, "<<23 + 11>>", is registered as on
 with a timeout, while the engine steps the other episodes. The replies are the chat template's tool messages and the
 next assistant header (with no chat template: the tiny world's " = 34\\n"), encoded on their own and appended as ids:
 `turn_format` checks at start that this is what the whole chat encodes to (prefix stability), and that the parser
-reads the calls the template writes."""
+reads the calls the template writes. Also the run's warning when the policy calls no tool it can read, and the
+slow tool's seconds (--tool_latency)."""
 import json
 import logging
+import math
+import random
 import time
 from typing import Optional
+
+from tqdm import tqdm
 
 from plumbing.core import fail
 
@@ -196,3 +201,29 @@ def turn_format(tokenizer, parser_name: str, tool_schemas: list[dict], chat: boo
              "token in, token out)")
     return dict(chat=True, parser=parser_name, stop_ids=[], schemas=tool_schemas, dummy=dummy, cut=cut,
                 example=written)
+
+
+# --- agentic_grpo.py's run: a policy that calls no tool said, the slow tool's seconds -----------------------------
+def say_if_no_calls(batch: list, ledger: dict, tool: dict, version: int, args) -> None:
+    """Says once, after the third step, when the policy has called no tool, or when none of its calls could be read:
+    a policy that has not learned the format --tool_parser reads trains with no tool, silently otherwise."""
+    seen = ledger["calls_seen"]
+    seen[:] = [seen[0] + sum(len(g["calls"]) for g in batch), seen[1] + sum(sum(g["calls"]) for g in batch),
+               seen[2] + sum(sum(g["parse_failures"]) for g in batch)]
+    episodes, tried, unread = seen
+    if version != min(3, args.num_steps) or args.rank != 0 or (tried and unread < tried):
+        return
+    example = tool["turn_format"]["example"]
+    tqdm.write(f"warning: the policy called no tool in its first {episodes} episodes" if not tried else
+               f"warning: none of the policy's {tried} calls in its first {episodes} episodes could be read")
+    tqdm.write(f"  --tool_parser {args.tool_parser} reads calls written like {example!r} (with --prompt_format chat, "
+               "the tools' schemas are in the prompt): a policy that does not write them trains without the tool")
+
+
+def latency(tool: dict, rng: random.Random) -> float:
+    """Seconds a call takes: --tool_latency, fixed or long-tailed (lognormal, sigma 1, the same mean)."""
+    if tool["latency_distribution"] == "fixed":
+        return tool["latency"]
+    if tool["latency_distribution"] == "lognormal":
+        return tool["latency"] and rng.lognormvariate(math.log(tool["latency"]) - 0.5, 1.0)
+    raise ValueError(f"unknown --tool_latency_distribution {tool['latency_distribution']}")

@@ -82,11 +82,11 @@ def test_the_tools_latency_fixed_and_long_tailed():
     """--tool_latency 0.2: `fixed` is 0.2 every call; `lognormal` has that mean (sigma 1: a long tail)."""
     rng = ag.random.Random(0)
     fixed = dict(latency=0.2, latency_distribution="fixed")
-    assert ag.tool_latency(fixed, rng) == 0.2
-    draws = [ag.tool_latency(dict(fixed, latency_distribution="lognormal"), rng) for _ in range(20000)]
+    assert tools.latency(fixed, rng) == 0.2
+    draws = [tools.latency(dict(fixed, latency_distribution="lognormal"), rng) for _ in range(20000)]
     assert abs(statistics.mean(draws) - 0.2) < 0.01 and max(draws) > 1.0  # (a tail: 5x the mean)
     with pytest.raises(ValueError, match="unknown --tool_latency_distribution pareto"):
-        ag.tool_latency(dict(fixed, latency_distribution="pareto"), rng)
+        tools.latency(dict(fixed, latency_distribution="pareto"), rng)
 
 
 @pytest.mark.parametrize("flags_, message", [
@@ -284,7 +284,7 @@ def test_a_policy_that_calls_no_tool_is_said_once(capsys):
     def said(calls: int, failures: int) -> str:
         ledger, batch = dict(calls_seen=[0, 0, 0]), [dict(calls=[calls, 0], parse_failures=[failures, 0])] * 4
         for version in range(1, 6):
-            ag.say_if_no_calls(batch, ledger, tool, version, args)
+            tools.say_if_no_calls(batch, ledger, tool, version, args)
         return capsys.readouterr().out
 
     assert said(0, 0).count("warning: the policy called no tool in its first 24 episodes") == 1
