@@ -70,6 +70,8 @@ SECTIONS = {
     ("gsm8k.md", "GSM8k"): ["gsm8k", "gsm8k, five seeds"],
     ("lora.md", "Measured"): ["lora"],
     ("drop_bias.md", "The result"): ["drop_bias", "drop_bias, the pilot"],
+    ("results.md", "What was found"): ["off_policy, five seeds", "off_policy", "DPO's controls"],
+    ("../README.md", "What it found"): ["off_policy, five seeds"],
 }
 # Figures these sections quote from sweeps whose runs were not kept (said so beside each)
 NOT_ARCHIVED = {"0.017 ± 0.002", "0.030 ± 0.013", "0.035 ± 0.004", "0.329 ± 0.010", "0.331 ± 0.015"}
