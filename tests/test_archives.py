@@ -234,7 +234,14 @@ PRINTED = {
         "greedy pass@1 every 48 steps: 0: 0.547, 48: 0.552, 96: 0.583, 144: 0.570, 192: 0.610, 240: 0.585, 288: "
         "0.583, 336: 0.605, 384: 0.595; the best gain +0.062",
         "K = 8 at 0.0001 for 96 steps of 16 groups (k = 0, seed 101): pass@1 0.595 (gain +0.047); by calls 1 / 2 / "
-        "4: 0.814 / 0.720 / 0.295", "the design is not registered"],
+        "4: 0.814 / 0.720 / 0.295",
+        "K = 8 at 0.0001 for 384 steps of 16 groups (k = 0, seed 101), greedy pass@1 every 48 steps: 0: 0.547, 48: "
+        "0.575, 96: 0.595, 144: 0.568, 192: 0.580, 240: 0.600, 288: 0.585, 336: 0.603, 384: 0.603; the best gain "
+        "+0.055",
+        "K = 8 at 0.0002 for 384 steps of 16 groups (k = 0, seed 101), greedy pass@1 every 48 steps: 0: 0.547, 48: "
+        "0.580, 96: 0.573, 144: 0.613, 192: 0.603, 240: 0.588, 288: 0.585, 336: 0.542, 384: 0.573; the best gain "
+        "+0.065",
+        "the design is not registered"],
     "compute_optimal": ["| generation-bound | T = 2 |", "| training-bound | async K = 4 |",
                         "generation / training ", "'s regime: ", "the sampled KL(pi || SFT) where the gold win rate",
                         "0 (identical by construction: the same SFT samples at either schedule; not judged)"],
