@@ -282,7 +282,7 @@ def resolve_args(args: Args) -> Args:
     precision, where the run logs, and the preset's models and data. It checks this script's own
     flags (core.check_flags those every script has)."""
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
-    transport.check_stream_flags(args, Args.is_cap)
+    transport.check_stream_flags(args)
     for bad, message in [  # (and the episode's)
         (args.max_turns < 1, f"--max_turns must be at least 1, got {args.max_turns}"),
         (not 0 <= args.tool_error_rate <= 1, f"--tool_error_rate is a share, 0 to 1, got {args.tool_error_rate}"),

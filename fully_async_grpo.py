@@ -251,7 +251,7 @@ def resolve_args(args: Args) -> Args:
     precision, where the run logs, and the preset's models and data. It checks this script's own
     flags (core.check_flags those every script has)."""
     args.rank, args.world_size = int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1"))
-    transport.check_stream_flags(args, Args.is_cap)
+    transport.check_stream_flags(args)
     core.check_flags(args, positive=("temperature", "num_samples"), unit="completions")
     args.groups_per_step = args.batch_size // args.num_samples
     args.max_in_flight = args.max_in_flight or (args.max_staleness + 1) * args.groups_per_step

@@ -250,6 +250,11 @@ def idle_regime(learner_idle: float, generator_idle: float, elapsed: float, bala
 
 
 # --- The streaming twins' metrics: the stream, in-flight loads, episodes ---------------------------
+def quantile(values: list, q: float) -> float:
+    """The q-quantile of sorted values (the lower one: no interpolation)."""
+    return float(values[min(int(q * len(values)), len(values) - 1)])
+
+
 def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, num_engines: int) -> dict:
     """What a user must see of the stream: the staleness (mean, max, histogram), the groups accepted and discarded
     (this step and in all), the queue (groups finished and waiting, the oldest one's wait), the completion lengths
@@ -275,9 +280,6 @@ def stream_stats(batch: list, discarded: int, ledger: dict, engines: list, num_e
         if engine["lags"]:  # (its loads reported since the last step)
             per_engine[f"engine{e}/publish_to_load_seconds"] = sum(engine["lags"]) / len(engine["lags"])
         engine["lags"] = []
-
-    def quantile(values: list, q: float) -> float:
-        return float(values[min(int(q * len(values)), len(values) - 1)])
 
     return {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
             "staleness/histogram": {str(s): staleness.count(s) for s in sorted(set(staleness))},
@@ -322,11 +324,8 @@ def episode_stats(batch: list, ledger: dict) -> dict:
     failures, errors = (sum(sum(g[key]) for g in batch) for key in ("parse_failures", "errors"))
     pending = sum(e["tool_pending"] for e in ledger["engines"].values())  # (each engine's since training began)
 
-    def quantile(q: float) -> float:
-        return float(turns[min(int(q * len(turns)), len(turns) - 1)])
-
-    return {"episode/turns_p50": quantile(0.5), "episode/turns_p90": quantile(0.9),
-            "episode/turns_p99": quantile(0.99), "episode/turns_mean": sum(turns) / len(turns),
+    return {"episode/turns_p50": quantile(turns, 0.5), "episode/turns_p90": quantile(turns, 0.9),
+            "episode/turns_p99": quantile(turns, 0.99), "episode/turns_mean": sum(turns) / len(turns),
             "episode/versions_mean": sum(versions) / len(versions),
             "episode/multi_version_fraction": sum(n > 1 for n in versions) / len(versions),
             "staleness/within_episode_mean": sum(within) / len(within), "staleness/within_episode_max": max(within),

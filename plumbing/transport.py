@@ -41,8 +41,9 @@ def check_engines_fit(args) -> None:
             core.fail(message)
 
 
-def check_stream_flags(args, default_is_cap: float) -> None:
-    """The streaming twins' own flags (fully_async_grpo.py's and agentic_grpo.py's), checked before anything loads."""
+def check_stream_flags(args) -> None:
+    """The streaming twins' own flags (fully_async_grpo.py's and agentic_grpo.py's), checked before anything loads
+    (--is_cap against its default, the script's Args')."""
     for bad, message in [
         (args.max_staleness < 0, f"--max_staleness must be 0 (synchronous) or more, got {args.max_staleness}"),
         (args.num_samples < 2, f"--num_samples must be at least 2 (a group needs two), got {args.num_samples}"),
@@ -52,7 +53,8 @@ def check_stream_flags(args, default_is_cap: float) -> None:
         (args.eval_temperature < 0, f"--eval_temperature must not be negative, got {args.eval_temperature}"),
         (args.cliprange < 0 or args.is_cap < 1, "--cliprange must not be negative, --is_cap not below 1"),
         (args.num_mini_batches < 1 or args.record_every < 1, "--num_mini_batches and --record_every must be positive"),
-        (args.proximal == "behaviour" and (args.is_correction not in (None, "none") or args.is_cap != default_is_cap),
+        (args.proximal == "behaviour" and (args.is_correction not in (None, "none")
+                                           or args.is_cap != type(args).is_cap),
          "--is_correction and --is_cap act on w = pi_prox / mu, which is 1 under --proximal behaviour (the clip "
          "to the sampler is its correction): leave them out"),
         (args.proximal == "recompute" and args.is_correction == "none" and args.max_staleness > 0,
