@@ -30,6 +30,7 @@ def hf_generator_main(engine_kwargs: dict, weight_layout: list, stop_id: int, re
         generator_io.become_generator(cores, run_tmp_dir, log_path)
         from transformers import AutoModelForCausalLM
 
+        generator_io.imports_done()
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         dtype = getattr(torch, engine_kwargs["dtype"])
         model = AutoModelForCausalLM.from_pretrained(engine_kwargs["model"], dtype=dtype).to(device).eval()
