@@ -178,9 +178,8 @@ def become_generator(cores: Optional[list], run_tmp_dir: str, log_path: Optional
     if not torch.cuda.is_available():  # On a CPU vLLM runs eagerly (enforce_eager) but for one helper of its sampler
         torch._dynamo.config.disable = True  # (the ranks of the sampled tokens' log-probs, an exact count), which
         # torch.compile would build as C++ at the first request, seconds in every new process; eager: the same counts
-    # vLLM's import comes next: ~300,000 objects, each 700 of which start a GC pass (on a CPU a third of the
+    # vLLM's import comes next: ~280,000 objects, each 700 of which start a GC pass (on a CPU a third of the
     # import's time); none is garbage, so the collector waits until imports_done
-    gc.freeze()
     gc.disable()
     BECAME[0] = time.time()
 
