@@ -623,7 +623,7 @@ def build_sized(sized_dir: str, base_dir: str = SHIPPED["tldr"], quick: bool = F
     inside it); every proxy starts from its size's SFT weights and trains on the same gold-labelled pairs, drawn
     from every size's samples in equal shares (so no proxy knows one policy's summaries better than another's). The
     judge, the gold reward model, the data and the tokenizer are the world's. `quick` (for CI): the two smaller
-    sizes, the proxies' pairs from 500 posts and 40 steps.
+    sizes, the proxies' pairs from 250 posts and 20 steps, 128 posts held out.
     Returns {"policy": {size: folder}, "proxy": {size: folder}, "base": base_dir, "sizes": {size: report}}: each
     model's parameters, each policy's SFT gold win rate and each proxy's agreement with gold on held-out summaries
     of every size's samples, and of each size's own (world.json's)."""
@@ -677,20 +677,21 @@ def build_sized_here(sized_dir: str, base_dir: str, quick: str) -> None:
     with deterministic(2) as rng:
         # 2. The pairs every proxy trains on: candidates of 2,000 posts, each size's SFT samples on its own share of
         # them, labelled by the gold model; held-out sets of every size's samples for agreement and normalisation
-        posts = train[2000:2500 if quick else 4000]
+        posts = train[2000:2250 if quick else 4000]
         share = len(posts) // len(sizes)
         sets = [s for i, policy in enumerate(policies.values())
                 for s in candidate_sets(rng, policy, tokenizer, posts[i * share: (i + 1) * share])]
         pairs = [(prompt, rng.sample(completions, 2)) for prompt, completions in sets for _ in range(3)]
         gold_pairs = score_sets(gold, pairs, eos)
         pairs = [(prompt, pair, scores.tolist()) for (prompt, pair), scores in zip(pairs, gold_pairs)]
-        held_out = {size: held_out_sets(policy, tokenizer, validation[:256]) for size, policy in policies.items()}
+        held_out = {size: held_out_sets(policy, tokenizer, validation[:128 if quick else 256])
+                    for size, policy in policies.items()}
         gold_scored = {size: score_sets(gold, sets_, eos) for size, sets_ in held_out.items()}
         every = [s for sets_ in held_out.values() for s in sets_]
         progress(f"gold-labelled pairs from {len(sizes)} sizes' samples")
         for size in sizes:  # 3. a proxy of each size on the same pairs
             proxy, _ = train_reward_model(configs[size], policies[size].state_dict(), pairs,
-                                          steps=40 if quick else SIZED_PROXY_STEPS, per_step=64, lr=1e-3, seed=2,
+                                          steps=20 if quick else SIZED_PROXY_STEPS, per_step=64, lr=1e-3, seed=2,
                                           dense=False)
             normalise(proxy, every, eos)
             models[f"policy-{size}"], models[f"proxy-{size}"] = policies[size], proxy

@@ -47,7 +47,7 @@ def test_the_record_never_gives_a_group_twice_under_racing_engines():
     address = ("127.0.0.1", server.port, "race/")
     record = dist.PrefixStore("race/", server)
     fa.open_admission(record, 0, fa.Args(rank=0))
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")  # (processes of this test alone: a copy of this one starts at once)
     out = ctx.Queue()
     workers = [ctx.Process(target=claim_and_release, args=(address, engine, engine, 200, out)) for engine in range(3)]
     for worker in workers:
@@ -95,7 +95,7 @@ def test_the_leaders_group_on_four_ranks_two_nodes():
     """Four ranks on two generator nodes, two learners a node: the leaders (ranks 0 and 2) share rank 0's slot, the
     other ranks take no part (torch hands a rank outside a new group a placeholder no collective accepts, which
     every node with two learners passed to the broadcast: a crash at start)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")  # (as above: no import of this file in each rank)
     out, port = ctx.Queue(), free_port()
     ranks = [ctx.Process(target=share_a_slot, args=(port, rank, out)) for rank in range(4)]
     for rank in ranks:

@@ -138,12 +138,12 @@ def test_ctrl_c_with_a_large_request_pending(tiny_dir, long_prompts, tmp_path):
 
 
 def test_normal_end_with_evaluations_every_round(tiny_dir, long_prompts, tmp_path):
-    """Every round requests a ~320 KB evaluation (512 long prompts), the last round's included: the run ends cleanly,
+    """Every round requests a ~164 KB evaluation (256 long prompts), the last round's included: the run ends cleanly,
     having scored every evaluation it asked for. The one requested in the last round (step 3 of 4) takes far longer
     to generate than the round's training (4 prompts): the learner scores it before it rewrites the weight buffer
     for the final one."""
     process = start_long_run(tiny_dir, long_prompts, str(tmp_path), "--total_episodes", "16", "--batch_size", "4",
-                             "--per_device_train_batch_size", "4", "--num_eval_prompts", "512")
+                             "--per_device_train_batch_size", "4", "--num_eval_prompts", "256")
     children = []  # the generator (and the resource tracker), seen while the run is going
     while process.poll() is None and len(children) < 2:
         children = psutil.Process(process.pid).children(recursive=True)

@@ -221,7 +221,7 @@ def test_a_forks_environment_end_to_end_in_the_models_format(chat_tools_dir, cha
     path.write_text(fork)
     out = tmp_path / "run"
     result = run_script("--model", "tiny", "--tiny_dir", chat_tools_dir, "--output_dir", str(out),
-                        "--eval_every", "0", "--num_final_eval_prompts", "32", "--total_episodes", "256",
+                        "--eval_every", "0", "--num_final_eval_prompts", "32", "--total_episodes", "128",
                         "--batch_size", "16", "--per_device_train_batch_size", "16", "--max_staleness", "1",
                         "--inflight_updates", "--record_rollouts", "--tool_latency", "0.02",
                         "--response_length", "256", "--eval_response_length", "256", script=str(path),
