@@ -894,7 +894,7 @@ def build_gsm8k(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     seen in training (no question of `train`, but the operation and operands of a training problem: what GSM8k's
     test asks of a model that knows its arithmetic), and `test_unseen_facts`, 200 problems whose operation and
     operands no training problem has. Built unless one is there. `quick`: the same layout from a seventh of the
-    problems and 5 SFT steps (the tests' check of the builder). Returns the SFT policy's and the dataset's folders."""
+    problems and 2 SFT steps (the tests' check of the builder). Returns the SFT policy's and the dataset's folders."""
     return build_math_world("gsm8k", tiny_dir, quick)
 
 
@@ -905,7 +905,7 @@ def build_gsm8k_here(tiny_dir: str, quick: str = "0") -> None:
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
     progress = Progress("the GSM8k miniature" + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (5, 7) if quick else (600, 1)
+    sft_steps, scale = (2, 7) if quick else (600, 1)
     with deterministic(0) as rng:
         unseen, unseen_facts = [], set()
         while len(unseen) < 200 // scale:
@@ -979,7 +979,7 @@ def build_chains(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     digit a token of its own) and a GPT-NeoX SFT policy (hidden 128, 4 layers) trained on the worked solutions. A
     completion's length grows with its chain's steps, so its lengths have a long tail: the task of the fully
     asynchronous pipeline, where a synchronous batch waits for its longest completion. `quick`: the same layout
-    from a tenth of the problems and 5 SFT steps (the tests' check of the builder). Returns the SFT policy's and
+    from a tenth of the problems and 2 SFT steps (the tests' check of the builder). Returns the SFT policy's and
     the dataset's folders."""
     return build_math_world("chains", tiny_dir, quick)
 
@@ -1005,7 +1005,7 @@ def build_chains_here(tiny_dir: str, quick: str = "0") -> None:
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
     progress = Progress("the long-tailed chains" + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (5, 10) if quick else (CHAIN_SFT_STEPS, 1)
+    sft_steps, scale = (2, 10) if quick else (CHAIN_SFT_STEPS, 1)
     with deterministic(0) as rng:
         train, test = problem_splits(make_chain_problem, rng, scale)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100  # (no chain reaches 0: " 0" would get no token of its own)
@@ -1159,7 +1159,7 @@ def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     recipe with the call's two marks as tokens of their own, and a GPT-NeoX SFT policy (hidden 128, 4 layers)
     trained on the worked solutions solved with the tool (a call per step; the tool's answers masked from the loss:
     it calls, the tool computes). A long chain is a long episode: the tail is in turns as well as tokens. `quick`:
-    a tenth of the problems and 5 SFT steps (the builder's test). Returns the SFT policy's and the dataset's
+    a tenth of the problems and 2 SFT steps (the builder's test). Returns the SFT policy's and the dataset's
     folders."""
     return build_math_world("tools", tiny_dir, quick)
 
@@ -1167,7 +1167,7 @@ def build_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
 def build_calls(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     """Build the calls world into `tiny_dir` unless one is there: the tool world's recipe on problems of 1, 2 or 4
     calls (make_calls_problem), for the experiment that varies the turns an episode takes (docs/agentic.md).
-    `quick`: a tenth of the problems and 5 SFT steps. Returns the SFT policy's and the dataset's folders."""
+    `quick`: a tenth of the problems and 2 SFT steps. Returns the SFT policy's and the dataset's folders."""
     return build_math_world("calls", tiny_dir, quick)
 
 
@@ -1185,7 +1185,7 @@ def build_tools_here(tiny_dir: str, quick: str = "0", kind: str = "tools") -> No
     make_problem, steps, what = {"tools": (make_tool_problem, TOOLS_SFT_STEPS, "the chains with a calculator"),
                                  "calls": (make_calls_problem, CALLS_SFT_STEPS, "1, 2 or 4 calls")}[kind]
     progress = Progress(what + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (5, 10) if quick else (steps, 1)
+    sft_steps, scale = (2, 10) if quick else (steps, 1)
     with deterministic(0) as rng:
         train, test = problem_splits(make_problem, rng, scale)
         digits = [" 0 1 2 3 4 5 6 7 8 9"] * 100
@@ -1286,7 +1286,7 @@ def build_chat_tools(tiny_dir: str, quick: bool = False) -> tuple[str, str]:
     seed), a tokenizer with ChatML's and Hermes' marks as special tokens and CHAT_TEMPLATE, and a GPT-NeoX SFT
     policy (hidden 128, 4 layers) trained on the worked solutions in chat form: a turn per call, '<tool_call>
     {"name": "calculator", ...}</tool_call>', the tool's replies as `tool` turns (masked from the loss), the last
-    turn the answer. `quick`: a tenth of the problems and 5 SFT steps. Returns the SFT policy's and the dataset's
+    turn the answer. `quick`: a tenth of the problems and 2 SFT steps. Returns the SFT policy's and the dataset's
     folders."""
     tiny_dir = os.path.expanduser(tiny_dir)
     if not os.path.exists(os.path.join(tiny_dir, "world.json")):
@@ -1301,7 +1301,7 @@ def build_chat_tools_here(tiny_dir: str, quick: str = "0") -> None:
     transformers.utils.logging.disable_progress_bar()
     quick = bool(int(quick))
     progress = Progress("the chains with a calculator, in chat form" + " (quick)" * quick, tiny_dir)
-    sft_steps, scale = (5, 10) if quick else (CHAT_TOOLS_SFT_STEPS, 1)
+    sft_steps, scale = (2, 10) if quick else (CHAT_TOOLS_SFT_STEPS, 1)
     with deterministic(0) as rng:
         train, test = problem_splits(make_tool_problem, rng, scale)
         marks = [IM_START, IM_END, TOOL_CALL, END_TOOL_CALL]

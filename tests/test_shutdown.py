@@ -76,7 +76,7 @@ def pending_request(process: subprocess.Popen, out: str) -> list:
     and give the learner time to queue its next requests behind it, the evaluation's among them. Returns the
     process tree."""
     deadline = time.time() + 600
-    while steps_logged(out) < 2:
+    while steps_logged(out) < 1:
         assert process.poll() is None, process.communicate()[1][-3000:]
         assert time.time() < deadline, "no training step within the timeout"
         time.sleep(0.2)
