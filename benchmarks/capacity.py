@@ -213,11 +213,12 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
         learner_takes(learner, finished, clock, rates, setting, published)
         if learner["version"] >= setting.steps:
             break
-        newest, taken = max((v, n) for t, v, n in published if t <= clock)
+        # (versions are published in time order: the newest out by this clock is the last one out by it)
+        newest, taken = published[bisect.bisect_right(published, clock, key=lambda p: p[0]) - 1][1:]
         if newest > engine["loaded"] and (not running or inflight):  # a load; in flight under recompute, every
             engine["loaded"], clock = newest, clock + rates["c"] / speed  # running sequence re-reads its prefix
             if setting.kv == "recompute" and running:
-                reread = sum(g["prompt"] + sum(n - left for n, left in zip(g["lengths"], g["left"]))
+                reread = sum(g["prompt"] + len(g["lengths"]) * g["done"]  # (every sequence's tokens so far)
                              for g in running.values())
                 clock += rates["f"] * reread / speed
             for group in running.values():
@@ -232,7 +233,8 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
                                                newest > engine["loaded"]):
             prompt, lengths = rng.choice(rates["groups"])
             lengths = [min(n, setting.max_length) for n in lengths]
-            running[next_group] = dict(version=engine["loaded"], prompt=prompt, lengths=lengths, left=lengths,
+            running[next_group] = dict(version=engine["loaded"], prompt=prompt, lengths=lengths, done=0,
+                                       ordered=sorted(lengths),  # (done: engine steps taken; ordered: to count)
                                        versions={engine["loaded"]}, engine=engine["index"])
             engine["claimed"], mine = engine["claimed"] + 1, mine + 1
             clock += rates["f"] * prompt / speed  # (its prompt read once)
@@ -246,12 +248,12 @@ def simulate(rates: dict, setting: Setting, seed: int = 0) -> dict:
             engine["idle"] += wake - clock  # (an engine waiting is no event for another: two would wake each other)
             engine["clock"], engine["waiting"] = wake, True
             continue
-        sequences = sum(sum(n > 0 for n in g["left"]) for g in running.values())
+        sequences = sum(len(g["ordered"]) - bisect.bisect_right(g["ordered"], g["done"]) for g in running.values())
         clock += (rates["a"] + rates["b"] * sequences) / speed  # one engine step
         for index in list(running):
             group = running[index]
-            group["left"] = [n - 1 for n in group["left"]]
-            if max(group["left"]) <= 0:
+            group["done"] += 1
+            if group["done"] >= group["ordered"][-1]:  # (its longest completion ended)
                 bisect.insort(finished, (clock, index, running.pop(index)), key=lambda f: f[:2])
                 bisect.insort(finish_times, clock)
                 multi_version.append(len(group["versions"]) > 1)
