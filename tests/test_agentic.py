@@ -238,8 +238,8 @@ def test_episode_atomic_keeps_one_version_an_episode_and_first_turn_recomputes_m
     turn's version, so the first step (every episode sampled by the learner's own weights) has importance weights 1
     within float error, as `token` has."""
     out = tmp_path / "atomic"
-    result = run_script(*run_flags(tools_dir, out, "--episode_atomic", "--behaviour_version", "first_turn"),
-                        script="agentic_grpo.py")
+    result = run_script(*run_flags(tools_dir, out, "--episode_atomic", "--behaviour_version", "first_turn",
+                                   "--total_episodes", "256"), script="agentic_grpo.py")  # (4 steps)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = episodes_metrics(out)
     assert all(r["staleness/within_episode_max"] == 0 and r["staleness/max"] <= 2 for r in steps), steps

@@ -120,22 +120,22 @@ def audit(out) -> list:
 @pytest.mark.parametrize("policy, inflight", [("pace", True), ("head", True), ("drop", False)])
 @pytest.mark.slow
 def test_two_engines_keep_the_bound_and_account_for_every_group(chains_dir, tmp_path, policy, inflight):
-    """G = 2, k = 2 (64 groups: B = 16 a step draining, B = 4 in flight): both engines sample; every group index is
-    sampled once and either trained on or discarded once (none lost, none twice); under `pace` no group trains more
-    than 2 versions after its oldest token was sampled, in flight too; under `head` only each engine's lead over the
-    learner is bounded (with one engine, draining, `head` is `pace`; with two, a group admitted by the engine with
+    """G = 2, k = 2 (64 groups at B = 16 a step draining, 32 at B = 4 in flight): both engines sample; every group
+    index is sampled once and either trained on or discarded once (none lost, none twice); under `pace` no group trains
+    more than 2 versions after its oldest token was sampled, in flight too; under `head` only each engine's lead over
+    the learner is bounded (with one engine, draining, `head` is `pace`; with two, a group admitted by the engine with
     the older version may arrive staler); `drop`, with room for 4 batches, discards what arrives staler and trains
     on nothing staler. (`pace` draining with two engines is the two-node test's run below.)"""
-    # (in flight: B = 4 groups a step, 16 steps, so that the learner's steps are short and versions arrive while
+    # (in flight: B = 4 groups a step, 8 steps, so that the learner's steps are short and versions arrive while
     # completions sample, as in test_fully_async.py; draining: B = 16, 4 steps)
-    flags = ["--inflight_updates", "--batch_size", "16", "--per_device_train_batch_size", "16"] if inflight else \
-        ["--max_in_flight", "64"] if policy == "drop" else []
+    flags = ["--inflight_updates", "--batch_size", "16", "--per_device_train_batch_size", "16",
+             "--total_episodes", "128"] if inflight else ["--max_in_flight", "64"] if policy == "drop" else []
     result = run_script(*stream_flags(chains_dir, tmp_path, *FOUR_STEPS, "--num_generators", "2", "--record_rollouts",
                                       "--stale_policy", policy, *flags), script="fully_async_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
-    groups = audit(tmp_path)
+    groups, total = audit(tmp_path), 32 if inflight else 64
     trained = [g for g in groups if g["fate"] == "trained"]
-    assert len(trained) == 64 and (policy == "drop" or len(groups) == 64)
+    assert len(trained) == total and (policy == "drop" or len(groups) == total)
     assert {g["engine"] for g in groups} == {0, 1}
     steps, _ = stream_metrics(tmp_path)
     assert all(r["staleness/max"] <= 2 for r in steps) or policy == "head"
