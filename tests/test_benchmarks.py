@@ -125,7 +125,7 @@ def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
     asynchronous run."""
     plot, runs = tmp_path / "plot.png", tmp_path / "runs"
     # (a smaller model than the benchmark's and shorter completions: the schedule, not the speed, is under test)
-    result = run_script("--steps", "6", "--warmup_steps", "1", "--hidden_size", "128", "--num_layers", "2",
+    result = run_script("--steps", "4", "--warmup_steps", "1", "--hidden_size", "128", "--num_layers", "2",
                         "--response_length", "32", "--cache_dir", str(tmp_path / "model"), "--plot_path", str(plot),
                         "--runs_dir", str(runs), script=os.path.join("benchmarks", "async_vs_sync.py"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -134,14 +134,14 @@ def test_async_vs_sync_benchmark_reduced_and_its_timeline(tmp_path):
 
     timeline = tmp_path / "timeline.png"
     paths = [str(runs / name / "metrics.jsonl") for name in ("async", "sync-vllm")]
-    result = run_script(*paths, "--labels", "async", "sync", "--steps", "2", "6", "--output", str(timeline),
+    result = run_script(*paths, "--labels", "async", "sync", "--steps", "2", "4", "--output", str(timeline),
                         script=os.path.join("benchmarks", "timeline.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert timeline.stat().st_size > 10000
     regimes = [line for line in result.stdout.splitlines() if ": regime: " in line]
     assert [line.split(":")[0] for line in regimes] == ["async", "sync"], result.stdout
     for path, asynchronous in zip(paths, (True, False)):
-        assert_timeline_ordered([json.loads(line) for line in open(path)], asynchronous, num_steps=6)
+        assert_timeline_ordered([json.loads(line) for line in open(path)], asynchronous, num_steps=4)
     # (its --repeats, each configuration run again interleaved, was run by hand: docs/results.md; a bad count stops it
     # before any run, naming the flag)
     result = run_script("--repeats", "0", script=os.path.join("benchmarks", "async_vs_sync.py"))
