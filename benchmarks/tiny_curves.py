@@ -93,10 +93,10 @@ def report(name: str, runs: dict) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.quick:
-        args.seeds, args.long_episodes = args.seeds[:1], 320
-    demo_flags = ["--total_episodes", "320", "--eval_every", "5"] if args.quick else []
+        args.seeds, args.long_episodes = args.seeds[:1], 192
+    demo_flags = ["--total_episodes", "192", "--eval_every", "3"] if args.quick else []
     long_flags = ["--total_episodes", str(args.long_episodes), "--learning_rate", str(args.long_learning_rate),
-                  "--eval_every", "5" if args.quick else "20"]
+                  "--eval_every", "3" if args.quick else "20"]
     demo, long = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
