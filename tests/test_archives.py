@@ -68,6 +68,8 @@ REPRINTS = {
     "drop_bias": ("drop_bias", "drop_bias.py", ()),
     "drop_bias, the pilot": ("drop_bias", "drop_bias.py", ("--pilot",)),
     "staleness_by_calls, the pilot": ("staleness_by_calls", "staleness_by_calls.py", ("--pilot",)),
+    "compute_optimal, the confirmation's power": ("compute_optimal", "compute_optimal.py", ("--confirm_power",)),
+    "fully_async, the speed's precision": ("fully_async_schedules", "fully_async.py", ("--speed_precision",)),
 }
 # (doc, heading): the reprints whose figures its section quotes
 SECTIONS = {
@@ -280,6 +282,26 @@ PRINTED = {
     "compute_optimal, five seeds": ["judged by the two-stage combination", "Holm over the two (5% family-wise)",
                                     "K = 4 - K = 2, full lr and episodes: seeds"],
 }
+
+
+# (doc, heading, the command a design's analysis quotes: its per-seed figures and each n's figure, printed today)
+ANALYSES = {("results.md", "The five-seed results", "--confirm_power"): "compute_optimal, the confirmation's power",
+            ("fully_async.md", "5. The speed-ups rerun", "--speed_precision"): "fully_async, the speed's precision"}
+ANALYSIS_FIGURE = re.compile(r"per seed [^;]+|SD \d\.\d+|n = \d+: \d\.\d+")
+
+
+@pytest.mark.parametrize("doc, heading, command", list(ANALYSES))
+def test_a_power_or_precision_analysis_the_docs_quote_is_what_its_command_prints(doc, heading, command,
+                                                                                 tmp_path_factory):
+    """The block a registration quotes below its command (the figures that sized its seeds) reprints: every per-seed
+    list, SD and figure for each n in it is in what the command prints from the archive."""
+    lines = section(doc, heading).splitlines()
+    start = next(i for i, line in enumerate(lines) if command in line)
+    end = next(i for i in range(start + 2, len(lines)) if lines[i].startswith(("- ", "  **")))
+    quoted = ANALYSIS_FIGURE.findall(" ".join(" ".join(lines[start + 1: end]).split()))
+    folder = str(tmp_path_factory.getbasetemp() / "reprints")
+    printed = " ".join(reprint(ANALYSES[doc, heading, command], folder).split())
+    assert len(quoted) > 10 and not [figure for figure in quoted if figure not in printed], (quoted, printed[-2000:])
 
 
 @pytest.mark.parametrize("name", list(PRINTED))
