@@ -32,8 +32,10 @@ for name, argv in commands.items():
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path(argv[0], run_name="__main__")
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else (print(stop.code) or 1)
+        except SystemExit as stop:  # (as the interpreter ends: None is 0, a message goes to stderr with code 1)
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if not isinstance(stop.code, (int, type(None))):
+                print(stop.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
             code = 1

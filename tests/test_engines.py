@@ -128,9 +128,9 @@ def test_two_engines_keep_the_bound_and_account_for_every_group(chains_dir, tmp_
     on nothing staler. (`pace` draining with two engines is the two-node test's run below.)"""
     # (in flight: B = 4 groups a step, 8 steps, so that the learner's steps are short and versions arrive while
     # completions sample, as in test_fully_async.py; draining: B = 16, 4 steps)
-    flags = ["--inflight_updates", "--batch_size", "16", "--per_device_train_batch_size", "16",
-             "--total_episodes", "128"] if inflight else ["--max_in_flight", "64"] if policy == "drop" else []
-    result = run_script(*stream_flags(chains_dir, tmp_path, *FOUR_STEPS, "--num_generators", "2", "--record_rollouts",
+    flags = ["--inflight_updates", "--batch_size", "16", "--per_device_train_batch_size", "16", "--total_episodes",
+             "128"] if inflight else [*FOUR_STEPS, *(["--max_in_flight", "64"] if policy == "drop" else [])]
+    result = run_script(*stream_flags(chains_dir, tmp_path, "--num_generators", "2", "--record_rollouts",
                                       "--stale_policy", policy, *flags), script="fully_async_grpo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     groups, total = audit(tmp_path), 32 if inflight else 64
